@@ -1,0 +1,309 @@
+"""The HunyuanImage-3 image autoencoder (`AutoencoderKLConv3D`).
+
+A DC-AE style KL autoencoder built from 3-D convolutions: the released checkpoint is shared with a
+video model, so an image is handled as a short clip. `encode` repeats the frame `ffactor_temporal`
+times and the encoder folds time away (T=4 -> 1); `decode` unfolds one latent frame into
+`ffactor_temporal` frames and keeps the last one. This mirrors the official
+`hunyuan_image_3/autoencoder_kl_3d.py`, so the parameter names below are the checkpoint's `vae.*`
+names (`encoder.down.0.block.0.conv1.weight`, `decoder.mid.attn_1.q.weight`, ...).
+
+Only the inference path is kept (no tiling, slicing or gradient checkpointing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import VAEConfig
+
+# The checkpoint's video factor. VAEConfig has no field for it yet; `getattr` picks one up if added.
+DEFAULT_TEMPORAL_FACTOR = 4
+
+
+def _group_norm(num_groups: int, channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(num_groups=num_groups, num_channels=channels, eps=1e-6, affine=True)
+
+
+def _space_time_to_channels(x: Tensor, r1: int) -> Tensor:
+    """b c (f r1) (h 2) (w 2) -> b (r1 2 2 c) f h w."""
+    b, c, f, h, w = x.shape
+    x = x.reshape(b, c, f // r1, r1, h // 2, 2, w // 2, 2)
+    x = x.permute(0, 3, 5, 7, 1, 2, 4, 6)
+    return x.reshape(b, r1 * 4 * c, f // r1, h // 2, w // 2)
+
+
+def _channels_to_space_time(x: Tensor, r1: int) -> Tensor:
+    """b (r1 2 2 c) f h w -> b c (f r1) (h 2) (w 2)."""
+    b, c, f, h, w = x.shape
+    c_out = c // (r1 * 4)
+    x = x.reshape(b, r1, 2, 2, c_out, f, h, w)
+    x = x.permute(0, 4, 5, 1, 6, 2, 7, 3)
+    return x.reshape(b, c_out, f * r1, h * 2, w * 2)
+
+
+class AttnBlock(nn.Module):
+    """Single-head self-attention over all (f, h, w) positions, 1x1x1 conv projections."""
+
+    def __init__(self, channels: int, norm_num_groups: int):
+        super().__init__()
+        self.norm = _group_norm(norm_num_groups, channels)
+        self.q = nn.Conv3d(channels, channels, kernel_size=1)
+        self.k = nn.Conv3d(channels, channels, kernel_size=1)
+        self.v = nn.Conv3d(channels, channels, kernel_size=1)
+        self.proj_out = nn.Conv3d(channels, channels, kernel_size=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, c, f, hh, ww = q.shape
+        # (b, c, f, h, w) -> (b, 1, f*h*w, c)
+        q, k, v = (t.flatten(2).transpose(1, 2).unsqueeze(1) for t in (q, k, v))
+        h = F.scaled_dot_product_attention(q, k, v)
+        h = h.squeeze(1).transpose(1, 2).reshape(b, c, f, hh, ww)
+        return x + self.proj_out(h)
+
+
+class ResnetBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, norm_num_groups: int):
+        super().__init__()
+        self.norm1 = _group_norm(norm_num_groups, in_channels)
+        self.conv1 = nn.Conv3d(in_channels, out_channels, kernel_size=3, padding=1)
+        self.norm2 = _group_norm(norm_num_groups, out_channels)
+        self.conv2 = nn.Conv3d(out_channels, out_channels, kernel_size=3, padding=1)
+        # Official name; never built with the released channel plan (channels change only in the
+        # down/up samplers) but kept so other plans load the same way.
+        self.nin_shortcut = (
+            nn.Conv3d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        if self.nin_shortcut is not None:
+            x = self.nin_shortcut(x)
+        return x + h
+
+
+class DownsampleDCAE(nn.Module):
+    """2x spatial (and optionally 2x temporal) downsample: conv then space-to-channel, plus a
+    parameter-free shortcut that averages groups of the space-to-channel input."""
+
+    def __init__(self, in_channels: int, out_channels: int, add_temporal_downsample: bool):
+        super().__init__()
+        factor = 8 if add_temporal_downsample else 4
+        if out_channels % factor != 0:
+            raise ValueError(f"out_channels={out_channels} must be divisible by {factor}")
+        self.conv = nn.Conv3d(in_channels, out_channels // factor, kernel_size=3, padding=1)
+        self.r1 = 2 if add_temporal_downsample else 1
+        self.group_size = factor * in_channels // out_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = _space_time_to_channels(self.conv(x), self.r1)
+        shortcut = _space_time_to_channels(x, self.r1)
+        b, c, f, hh, ww = shortcut.shape
+        shortcut = shortcut.view(b, h.shape[1], self.group_size, f, hh, ww).mean(dim=2)
+        return h + shortcut
+
+
+class UpsampleDCAE(nn.Module):
+    """2x spatial (and optionally 2x temporal) upsample: conv then channel-to-space, plus a
+    parameter-free shortcut that repeats channels before the same rearrangement."""
+
+    def __init__(self, in_channels: int, out_channels: int, add_temporal_upsample: bool):
+        super().__init__()
+        factor = 8 if add_temporal_upsample else 4
+        self.conv = nn.Conv3d(in_channels, out_channels * factor, kernel_size=3, padding=1)
+        self.r1 = 2 if add_temporal_upsample else 1
+        self.repeats = factor * out_channels // in_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = _channels_to_space_time(self.conv(x), self.r1)
+        shortcut = _channels_to_space_time(x.repeat_interleave(self.repeats, dim=1), self.r1)
+        return h + shortcut
+
+
+class Encoder(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        z_channels: int,
+        block_out_channels: tuple[int, ...],
+        num_res_blocks: int,
+        ffactor_spatial: int,
+        ffactor_temporal: int,
+        norm_num_groups: int,
+    ):
+        super().__init__()
+        self.z_channels = z_channels
+        self.conv_in = nn.Conv3d(in_channels, block_out_channels[0], kernel_size=3, padding=1)
+
+        self.down = nn.ModuleList()
+        block_in = block_out_channels[0]
+        n_spatial = int(math.log2(ffactor_spatial))
+        first_temporal = int(math.log2(ffactor_spatial // ffactor_temporal))
+        for i_level, block_out in enumerate(block_out_channels):
+            down = nn.Module()
+            down.block = nn.ModuleList()
+            for _ in range(num_res_blocks):
+                down.block.append(ResnetBlock(block_in, block_out, norm_num_groups))
+                block_in = block_out
+            if i_level < n_spatial:
+                if i_level == len(block_out_channels) - 1:
+                    raise ValueError("need more blocks than log2(downsample_factor)")
+                # temporal folding happens in the last log2(ffactor_temporal) downsamplers
+                temporal = i_level >= first_temporal
+                block_out = block_out_channels[i_level + 1]
+                down.downsample = DownsampleDCAE(block_in, block_out, temporal)
+                block_in = block_out
+            self.down.append(down)
+
+        self.mid = nn.Module()
+        self.mid.block_1 = ResnetBlock(block_in, block_in, norm_num_groups)
+        self.mid.attn_1 = AttnBlock(block_in, norm_num_groups)
+        self.mid.block_2 = ResnetBlock(block_in, block_in, norm_num_groups)
+
+        self.norm_out = _group_norm(norm_num_groups, block_in)
+        self.conv_out = nn.Conv3d(block_in, 2 * z_channels, kernel_size=3, padding=1)
+
+    def _out_shortcut(self, h: Tensor) -> Tensor:
+        """Parameter-free residual around the output head: average channel groups down to the
+        2*z moments (official). Toy channel plans narrower than 2*z, which the official
+        constructor rejects, repeat channels instead so tiny test models stay buildable."""
+        b, c, f, hh, ww = h.shape
+        out = 2 * self.z_channels
+        if c % out == 0:
+            return h.view(b, out, c // out, f, hh, ww).mean(dim=2)
+        if out % c == 0:
+            return h.repeat_interleave(out // c, dim=1)
+        raise ValueError(f"encoder width {c} and 2*latent_channels={out} must divide one another")
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv_in(x)
+        for down in self.down:
+            for block in down.block:
+                h = block(h)
+            if hasattr(down, "downsample"):
+                h = down.downsample(h)
+        h = self.mid.block_2(self.mid.attn_1(self.mid.block_1(h)))
+        shortcut = self._out_shortcut(h)
+        h = self.conv_out(F.silu(self.norm_out(h)))
+        return h + shortcut
+
+
+class Decoder(nn.Module):
+    def __init__(
+        self,
+        z_channels: int,
+        out_channels: int,
+        block_out_channels: tuple[int, ...],
+        num_res_blocks: int,
+        ffactor_spatial: int,
+        ffactor_temporal: int,
+        norm_num_groups: int,
+    ):
+        super().__init__()
+        if block_out_channels[0] % z_channels != 0:
+            raise ValueError(f"decoder width {block_out_channels[0]} must be a multiple of z={z_channels}")
+        block_in = block_out_channels[0]
+        self.repeats = block_in // z_channels
+        self.conv_in = nn.Conv3d(z_channels, block_in, kernel_size=3, padding=1)
+
+        self.mid = nn.Module()
+        self.mid.block_1 = ResnetBlock(block_in, block_in, norm_num_groups)
+        self.mid.attn_1 = AttnBlock(block_in, norm_num_groups)
+        self.mid.block_2 = ResnetBlock(block_in, block_in, norm_num_groups)
+
+        self.up = nn.ModuleList()
+        n_spatial = int(math.log2(ffactor_spatial))
+        n_temporal = int(math.log2(ffactor_temporal))
+        for i_level, block_out in enumerate(block_out_channels):
+            up = nn.Module()
+            up.block = nn.ModuleList()
+            for _ in range(num_res_blocks + 1):
+                up.block.append(ResnetBlock(block_in, block_out, norm_num_groups))
+                block_in = block_out
+            if i_level < n_spatial or i_level < n_temporal:
+                if i_level == len(block_out_channels) - 1:
+                    raise ValueError("need more blocks than log2(downsample_factor)")
+                # temporal unfolding happens in the first log2(ffactor_temporal) upsamplers
+                block_out = block_out_channels[i_level + 1]
+                up.upsample = UpsampleDCAE(block_in, block_out, i_level < n_temporal)
+                block_in = block_out
+            self.up.append(up)
+
+        self.norm_out = _group_norm(norm_num_groups, block_in)
+        self.conv_out = nn.Conv3d(block_in, out_channels, kernel_size=3, padding=1)
+
+    def forward(self, z: Tensor) -> Tensor:
+        h = self.conv_in(z) + z.repeat_interleave(self.repeats, dim=1)
+        h = self.mid.block_2(self.mid.attn_1(self.mid.block_1(h)))
+        for up in self.up:
+            for block in up.block:
+                h = block(h)
+            if hasattr(up, "upsample"):
+                h = up.upsample(h)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class AutoencoderKLConv3D(nn.Module):
+    """Image-facing wrapper: `encode` gives scaled latents, `decode` takes them back to pixels."""
+
+    def __init__(self, cfg: VAEConfig):
+        super().__init__()
+        self.latent_channels = cfg.latent_channels
+        self.ffactor_spatial = cfg.downsample_factor
+        self.ffactor_temporal = int(getattr(cfg, "ffactor_temporal", DEFAULT_TEMPORAL_FACTOR))
+        self.scaling_factor = float(cfg.scaling_factor)
+        self.shift_factor = float(cfg.shift_factor or 0.0)
+        blocks = tuple(cfg.block_out_channels)
+        common = dict(
+            block_out_channels=blocks,
+            num_res_blocks=cfg.layers_per_block,
+            ffactor_spatial=cfg.downsample_factor,
+            ffactor_temporal=self.ffactor_temporal,
+            norm_num_groups=cfg.norm_num_groups,
+        )
+        self.encoder = Encoder(in_channels=cfg.in_channels, z_channels=cfg.latent_channels, **common)
+        self.decoder = Decoder(
+            z_channels=cfg.latent_channels,
+            out_channels=cfg.in_channels,
+            **{**common, "block_out_channels": tuple(reversed(blocks))},
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.conv_in.weight.dtype
+
+    def _check_spatial(self, h: int, w: int, factor: int) -> None:
+        if h % factor or w % factor:
+            raise ValueError(f"spatial size {h}x{w} must be a multiple of {factor}")
+
+    @torch.no_grad()
+    def encode(self, x: Tensor) -> Tensor:
+        """[B, C, H, W] in [-1, 1] -> scaled posterior mean [B, latent_channels, H/16, W/16]."""
+        self._check_spatial(x.shape[-2], x.shape[-1], self.ffactor_spatial)
+        x = x.to(self.dtype)
+        # an image is a clip of ffactor_temporal identical frames (official `encode`)
+        x = x.unsqueeze(2).expand(-1, -1, self.ffactor_temporal, -1, -1)
+        moments = self.encoder(x)  # [B, 2z, 1, h, w]
+        mean = moments[:, : self.latent_channels, 0]
+        return (mean - self.shift_factor) * self.scaling_factor
+
+    @torch.no_grad()
+    def decode(self, z: Tensor) -> Tensor:
+        """Scaled latents [B, latent_channels, h, w] -> pixels [B, C, 16h, 16w], roughly [-1, 1]."""
+        z = z.to(self.dtype) / self.scaling_factor + self.shift_factor
+        frames = self.decoder(z.unsqueeze(2))  # [B, C, ffactor_temporal, H, W]
+        return frames[:, :, -1]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decode(self.encode(x))
+
+
+def build_vae(cfg: VAEConfig) -> AutoencoderKLConv3D:
+    """The official `vae` module from config, randomly initialised (load weights separately)."""
+    return AutoencoderKLConv3D(cfg)

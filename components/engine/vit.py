@@ -1,0 +1,142 @@
+"""The conditioning-image vision tower: SigLIP2 so400m-patch16-naflex plus the `LightProjector` aligner.
+
+HunyuanImage-3 feeds every conditioning image to the LLM twice: as VAE latents and as ViT features.
+This module holds the ViT half:
+
+- `preprocess_for_vit`: the naflex processor (resize keeping aspect ratio so the patch grid fits
+  `max_num_patches`, scale to [-1, 1], cut 16x16 patches, pad the run to `max_num_patches`),
+  numerically the same as transformers' `Siglip2ImageProcessorPil`;
+- `build_vision_model`: transformers' `Siglip2VisionModel` (random init). Its parameter names are the
+  checkpoint's `vision_model.*` names (`embeddings.patch_embedding`, `encoder.layers.N.self_attn.q_proj`,
+  `post_layernorm`, `head.probe`, ...). The official tower is built from a config without
+  `vision_use_head`, so it carries the attention-pooling `head`; we keep it for a strict load although
+  only `last_hidden_state` is used;
+- `LightProjector`: the official `vision_aligner` (`layers.0` Linear, GELU, `layers.2` Linear);
+- `encode_vit`: batch of preprocessed images -> [B, max_num_patches, llm_hidden] tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor, nn
+from transformers import Siglip2VisionConfig, Siglip2VisionModel
+
+from .config import ViTConfig
+
+# SigLIP2 normalisation: mean = std = 0.5, i.e. pixels in [-1, 1]
+_MEAN = 0.5
+_STD = 0.5
+# Learned position-embedding table of siglip2-so400m-patch16-naflex is 16x16; naflex resizes it to
+# every image's patch grid. ViTConfig has no field for it yet; `getattr` picks one up if added.
+DEFAULT_NUM_POSITION_PATCHES = 256
+
+
+@dataclass
+class ViTInput:
+    """One preprocessed image, padded to `max_num_patches` patch rows."""
+
+    pixel_values: Tensor  # [max_num_patches, num_channels * patch_size**2], float32
+    attention_mask: Tensor  # [max_num_patches], long: 1 for the h*w real patches, 0 for padding
+    spatial_shape: tuple[int, int]  # (h_patches, w_patches)
+
+    @property
+    def num_valid(self) -> int:
+        return self.spatial_shape[0] * self.spatial_shape[1]
+
+
+def naflex_target_size(height: int, width: int, patch_size: int, max_num_patches: int) -> tuple[int, int]:
+    """Largest aspect-preserving (height, width), each a multiple of `patch_size`, whose patch grid
+    has at most `max_num_patches` patches (binary search over the scale, as the SigLIP2 processor)."""
+
+    def scaled(scale: float, size: int) -> int:
+        return max(patch_size, int(math.ceil(size * scale / patch_size) * patch_size))
+
+    eps = 1e-5
+    lo, hi = eps / 10, 100.0
+    while hi - lo >= eps:
+        mid = (lo + hi) / 2
+        if (scaled(mid, height) // patch_size) * (scaled(mid, width) // patch_size) <= max_num_patches:
+            lo = mid
+        else:
+            hi = mid
+    return scaled(lo, height), scaled(lo, width)
+
+
+def preprocess_for_vit(image: Image.Image, cfg: ViTConfig) -> ViTInput:
+    """PIL image -> naflex patches padded to `cfg.max_num_patches`."""
+    p = cfg.patch_size
+    image = image.convert("RGB")
+    height, width = naflex_target_size(image.height, image.width, p, cfg.max_num_patches)
+    image = image.resize((width, height), resample=Image.Resampling.BILINEAR)
+    pixels = (np.asarray(image, dtype=np.float32) / 255.0 - _MEAN) / _STD  # [H, W, C]
+
+    h, w = height // p, width // p
+    # [H, W, C] -> [h, w, p, p, C] -> [h*w, p*p*C]: patch vectors are (row, col, channel) ordered
+    patches = pixels.reshape(h, p, w, p, -1).transpose(0, 2, 1, 3, 4).reshape(h * w, -1)
+
+    pixel_values = torch.zeros(cfg.max_num_patches, patches.shape[1], dtype=torch.float32)
+    pixel_values[: h * w] = torch.from_numpy(np.ascontiguousarray(patches))
+    attention_mask = torch.zeros(cfg.max_num_patches, dtype=torch.long)
+    attention_mask[: h * w] = 1
+    return ViTInput(pixel_values=pixel_values, attention_mask=attention_mask, spatial_shape=(h, w))
+
+
+def vision_config(cfg: ViTConfig) -> Siglip2VisionConfig:
+    config = Siglip2VisionConfig(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_channels=cfg.num_channels,
+        patch_size=cfg.patch_size,
+        num_patches=int(getattr(cfg, "num_patches", DEFAULT_NUM_POSITION_PATCHES)),
+        layer_norm_eps=cfg.layer_norm_eps,
+        hidden_act="gelu_pytorch_tanh",
+        vision_use_head=True,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def build_vision_model(cfg: ViTConfig) -> Siglip2VisionModel:
+    """The official `vision_model` (SigLIP2 naflex tower), randomly initialised."""
+    return Siglip2VisionModel(vision_config(cfg))
+
+
+class LightProjector(nn.Module):
+    """The official `vision_aligner` (`projector_type="mlp_gelu"`): Linear, then (GELU, Linear) x (depth-1)."""
+
+    def __init__(self, vit_hidden: int, llm_hidden: int, depth: int = 2):
+        super().__init__()
+        modules: list[nn.Module] = [nn.Linear(vit_hidden, llm_hidden)]
+        for _ in range(1, depth):
+            modules += [nn.GELU(), nn.Linear(llm_hidden, llm_hidden)]
+        self.layers = nn.Sequential(*modules)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)
+
+
+@torch.no_grad()
+def encode_vit(vision_model: Siglip2VisionModel, aligner: LightProjector, inputs: list[ViTInput]) -> Tensor:
+    """Preprocessed images -> aligned tokens [B, max_num_patches, llm_hidden].
+
+    Padding rows are returned too: the sequence reserves `max_num_patches` slots per image. Padding
+    keys are masked out, so the valid rows do not depend on what the padding holds."""
+    if not inputs:
+        raise ValueError("encode_vit needs at least one image")
+    weight = vision_model.embeddings.patch_embedding.weight
+    device, dtype = weight.device, weight.dtype
+    pixel_values = torch.stack([i.pixel_values for i in inputs]).to(device=device, dtype=dtype)
+    mask = torch.stack([i.attention_mask for i in inputs]).to(device=device, dtype=torch.long)
+    spatial_shapes = torch.tensor([i.spatial_shape for i in inputs], dtype=torch.long, device=device)
+    hidden = vision_model(
+        pixel_values=pixel_values, pixel_attention_mask=mask, spatial_shapes=spatial_shapes
+    ).last_hidden_state
+    aligner_dtype = next(aligner.parameters()).dtype
+    return aligner(hidden.to(aligner_dtype))
