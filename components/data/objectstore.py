@@ -1,0 +1,408 @@
+"""Object storage: one small interface, a local-directory backend and an S3 backend.
+
+Keys are "/"-separated paths relative to the store's root (a directory, or `bucket/prefix` on S3).
+Every write is atomic: a reader sees the whole old object, the whole new one, or nothing. That is
+what lets the commit protocol in `runs.py` treat "object exists" as "object complete".
+
+    store = open_object_store("s3://bucket/outputs")   # or "/data/outputs", "file:///data/outputs"
+    store.put_bytes("run1/summary.json", b"{}")
+    store.get_bytes("run1/summary.json")
+
+S3 settings come from the environment unless passed in: endpoint from `ARDIT_S3_ENDPOINT` or
+`AWS_ENDPOINT_URL` (unset: AWS itself), region from `AWS_REGION` / `AWS_DEFAULT_REGION`
+(default us-east-1), credentials through boto3's usual chain (`AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, profiles, instance roles). Retry attempts and mode can be set with
+`ARDIT_S3_MAX_ATTEMPTS` / `ARDIT_S3_RETRY_MODE` (defaults 5 / "standard").
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+MiB = 1024 * 1024
+# Temp files of in-flight local writes start with this; listings never show them.
+_TMP_PREFIX = ".ardit-tmp-"
+
+
+class ObjectStoreError(RuntimeError):
+    """A storage operation failed for good (after retries where retrying makes sense)."""
+
+
+class ObjectNotFoundError(ObjectStoreError, KeyError):
+    """The key does not exist."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape the store root or mean different things on disk and on S3."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"object key must be a non-empty string, got {key!r}")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise ValueError(f"object key {key!r} must be relative, without backslashes or NUL")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"object key {key!r} has an empty, '.' or '..' segment")
+    if parts[-1].startswith(_TMP_PREFIX):
+        raise ValueError(f"object key {key!r} uses the reserved temp-file prefix")
+    return key
+
+
+def join_key(*parts: str) -> str:
+    """Join key segments with '/', ignoring empty ones."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class ObjectStore(ABC):
+    """What the steps need from storage; nothing more."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Raises ObjectNotFoundError when the key does not exist."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """All keys starting with `prefix` (a plain string prefix, as on S3), sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete one key; deleting a missing key is not an error."""
+
+    @abstractmethod
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None: ...
+
+    @abstractmethod
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None: ...
+
+    @abstractmethod
+    def url(self, key: str = "") -> str:
+        """Where the key lives, for people and for other tools (a path, or s3://bucket/key)."""
+
+    @abstractmethod
+    def child(self, prefix: str) -> ObjectStore:
+        """The same storage, rooted at `prefix`."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key starting with `prefix`; returns how many. An empty prefix is refused."""
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix (refusing to empty the store)")
+        keys = self.list(prefix)
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+    def put_text(self, key: str, text: str) -> None:
+        self.put_bytes(key, text.encode("utf-8"))
+
+    def get_text(self, key: str) -> str:
+        return self.get_bytes(key).decode("utf-8")
+
+
+class LocalObjectStore(ObjectStore):
+    """A directory. Writes go to a temp file in the target directory, then `os.replace` (atomic)."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).expanduser().resolve()
+
+    def __repr__(self) -> str:
+        return f"LocalObjectStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*check_key(key).split("/"))
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._atomic_write(key, lambda f: f.write(data))
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        with open(path, "rb") as src:
+            self._atomic_write(key, lambda f: shutil.copyfileobj(src, f, 8 * MiB))
+
+    def _atomic_write(self, key: str, write: Any) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())  # the data is on disk before the name points at it
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFoundError(f"no object {self.url(key)}") from None
+
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        src = self._path(key)
+        if not src.is_file():
+            raise ObjectNotFoundError(f"no object {self.url(key)}")
+        dest = Path(path)
+        tmp = dest.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        # Walk only the directory the prefix points into, then filter by string prefix.
+        base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root.joinpath(*base_dir.split("/")) if base_dir else self.root
+        if not start.is_dir():
+            return []
+        keys = []
+        for dirpath, _dirs, files in os.walk(start):
+            rel_dir = Path(dirpath).relative_to(self.root).as_posix()
+            for name in files:
+                if name.startswith(_TMP_PREFIX):
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # Tidy empty parent directories so listings and `ls` stay clean.
+        parent = path.parent
+        while parent != self.root and parent.is_dir():
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def url(self, key: str = "") -> str:
+        return str(self._path(key)) if key else str(self.root)
+
+    def child(self, prefix: str) -> LocalObjectStore:
+        return LocalObjectStore(self._path(prefix)) if prefix else self
+
+
+class S3ObjectStore(ObjectStore):
+    """An S3 bucket (AWS or any S3-compatible server such as SeaweedFS), through boto3.
+
+    Large objects go through boto3's managed transfer (multipart upload, parallel ranged GETs)
+    tuned by `TransferConfig`; every request is retried by botocore's retry handler (standard
+    mode: exponential backoff with jitter on throttling, 5xx and connection errors).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        *,
+        max_attempts: int | None = None,
+        retry_mode: str | None = None,
+        multipart_threshold: int = 64 * MiB,
+        multipart_chunksize: int = 16 * MiB,
+        max_concurrency: int = 8,
+        client: Any = None,
+    ):
+        if not bucket:
+            raise ValueError("S3ObjectStore needs a bucket name")
+        env = os.environ
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url or env.get("ARDIT_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None
+        self.region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+        self.max_attempts = int(max_attempts or env.get("ARDIT_S3_MAX_ATTEMPTS") or 5)
+        self.retry_mode = retry_mode or env.get("ARDIT_S3_RETRY_MODE") or "standard"
+        self.multipart_threshold = multipart_threshold
+        self.multipart_chunksize = multipart_chunksize
+        self.max_concurrency = max_concurrency
+        self._client = client
+
+    def __repr__(self) -> str:
+        return f"S3ObjectStore({self.url()!r}, endpoint_url={self.endpoint_url!r})"
+
+    @property
+    def client(self) -> Any:
+        """The boto3 client (created on first use, so importing this module needs no boto3)."""
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            config = Config(
+                region_name=self.region,
+                retries={"max_attempts": self.max_attempts, "mode": self.retry_mode},
+                # Custom endpoints (SeaweedFS, MinIO, ...) rarely have per-bucket DNS names.
+                s3={"addressing_style": "path" if self.endpoint_url else "auto"},
+                connect_timeout=10,
+                read_timeout=120,
+            )
+            self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
+        return self._client
+
+    def _transfer_config(self) -> Any:
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(
+            multipart_threshold=self.multipart_threshold,
+            multipart_chunksize=self.multipart_chunksize,
+            max_concurrency=self.max_concurrency,
+        )
+
+    def _key(self, key: str) -> str:
+        return join_key(self.prefix, check_key(key))
+
+    def _error(self, op: str, key: str, exc: Exception) -> ObjectStoreError:
+        """Turn a botocore error into one that says what was being done, where, and why."""
+        from botocore.exceptions import ClientError
+
+        where = self.url(key) if key else self.url()
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            retries = exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+            if code in ("404", "NoSuchKey", "NotFound"):
+                return ObjectNotFoundError(f"no object {where}")
+            msg = (
+                f"S3 {op} {where} failed: {code or status} (HTTP {status}) {err.get('Message', '')}".rstrip()
+                + f" after {retries + 1} attempt(s) [endpoint {self.endpoint_url or 'AWS'}]"
+            )
+            return ObjectStoreError(msg)
+        return ObjectStoreError(f"S3 {op} {where} failed: {type(exc).__name__}: {exc} [endpoint {self.endpoint_url or 'AWS'}]")
+
+    def _call(self, op: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(op, key, exc) from exc
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        # upload_fileobj switches to multipart above the threshold; a multipart upload becomes
+        # visible only when completed, and s3transfer aborts it on failure, so no partial object.
+        self._call("put", key, self.client.upload_fileobj, io.BytesIO(data), self.bucket, self._key(key),
+                   Config=self._transfer_config())
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        self._call("put", key, self.client.upload_file, os.fspath(path), self.bucket, self._key(key),
+                   Config=self._transfer_config())
+
+    def get_bytes(self, key: str) -> bytes:
+        buf = io.BytesIO()
+        self._call("get", key, self.client.download_fileobj, self.bucket, self._key(key), buf,
+                   Config=self._transfer_config())
+        return buf.getvalue()
+
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        # download_file writes to a temp name and renames, so `path` is never half-written.
+        self._call("get", key, self.client.download_file, self.bucket, self._key(key), os.fspath(path),
+                   Config=self._transfer_config())
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call("head", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ObjectNotFoundError:
+            return False
+
+    def list(self, prefix: str = "") -> list[str]:
+        full = join_key(self.prefix, prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        if prefix.endswith("/") and not full.endswith("/"):
+            full += "/"
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+                keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error("list", "", exc) from exc
+        return sorted(k for k in keys if k and not k.endswith("/"))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
+
+    def delete_prefix(self, prefix: str) -> int:
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix (refusing to empty the store)")
+        keys = self.list(prefix)
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": self._key(k)} for k in keys[start : start + 1000]]
+            resp = self._call("delete", prefix, self.client.delete_objects, Bucket=self.bucket,
+                              Delete={"Objects": batch, "Quiet": True})
+            if resp.get("Errors"):
+                first = resp["Errors"][0]
+                raise ObjectStoreError(
+                    f"S3 delete_prefix {self.url(prefix)}: {len(resp['Errors'])} key(s) not deleted, "
+                    f"first {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}"
+                )
+        return len(keys)
+
+    def url(self, key: str = "") -> str:
+        return f"s3://{self.bucket}/{self._key(key) if key else self.prefix}".rstrip("/")
+
+    def child(self, prefix: str) -> S3ObjectStore:
+        if not prefix:
+            return self
+        store = S3ObjectStore(
+            self.bucket, self._key(prefix), self.endpoint_url, self.region,
+            max_attempts=self.max_attempts, retry_mode=self.retry_mode,
+            multipart_threshold=self.multipart_threshold, multipart_chunksize=self.multipart_chunksize,
+            max_concurrency=self.max_concurrency, client=self._client,
+        )
+        return store
+
+
+def is_s3_uri(uri: str) -> bool:
+    return str(uri).startswith("s3://")
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """`s3://b/a/x.parquet` -> (`s3://b/a`, `x.parquet`); `/d/x.parquet` -> (`/d`, `x.parquet`)."""
+    uri = str(uri).rstrip("/")
+    head, _, tail = uri.rpartition("/")
+    if is_s3_uri(uri) and head in ("s3:/", "s3:"):
+        raise ValueError(f"{uri!r} names a bucket, not an object")
+    return (head or "."), tail
+
+
+def open_object_store(uri: str | os.PathLike[str], **s3_options: Any) -> ObjectStore:
+    """`s3://bucket/prefix` -> S3ObjectStore; a plain path or `file://` URI -> LocalObjectStore."""
+    text = os.fspath(uri)
+    if text.startswith("s3://"):
+        parsed = urlparse(text)
+        if not parsed.netloc:
+            raise ValueError(f"S3 URI {text!r} has no bucket")
+        return S3ObjectStore(parsed.netloc, parsed.path.strip("/"), **s3_options)
+    if text.startswith("file://"):
+        parsed = urlparse(text)
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file URI {text!r} names a remote host")
+        return LocalObjectStore(unquote(parsed.path))
+    if "://" in text:
+        raise ValueError(f"unsupported object store URI {text!r} (use a path, file:// or s3://)")
+    return LocalObjectStore(text)

@@ -1,0 +1,131 @@
+"""Summary step: manifest + every committed shard's rows.parquet -> {output}/{run}/summary.json.
+
+Shard status: "committed" (marker matches rows.parquet), "corrupt" (marker present, rows.parquet
+missing or with another checksum), "uncommitted" (some output exists, no marker: interrupted or
+still running), "missing" (nothing written). Only committed shards are counted in the row totals;
+the rows of the others are reported as `rows_pending`.
+
+Throughput: `images_per_minute` = ok images / wall time, where wall time runs from the manifest's
+creation (shard step) to the last commit. Time split (sums of the per-row columns, seconds):
+ar = ar_prefill_s + ar_decode_s, kv = kv_put_s + kv_get_s, dit = dit_total_s + vae_decode_s.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import datetime
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from components.data.runs import RunLayout, utc_now
+
+TIME_GROUPS = {
+    "ar": ("ar_prefill_s", "ar_decode_s"),
+    "kv": ("kv_put_s", "kv_get_s"),
+    "dit": ("dit_total_s", "vae_decode_s"),
+}
+MEAN_COLUMNS = ("prompt_tokens", "generated_tokens", "ar_prefill_s", "ar_decode_s", "kv_bytes", "kv_put_s",
+                "kv_get_s", "dit_step_s_mean", "dit_total_s", "vae_decode_s")
+MAX_ERRORS_LISTED = 100
+
+
+def _sum(table: pa.Table, column: str) -> float:
+    if column not in table.column_names or table.num_rows == 0:
+        return 0.0
+    value = pc.sum(table.column(column)).as_py()
+    return float(value or 0.0)
+
+
+def _mean(table: pa.Table, column: str) -> float | None:
+    if column not in table.column_names or table.num_rows == 0:
+        return None
+    value = pc.mean(table.column(column)).as_py()  # nulls skipped
+    return None if value is None else float(value)
+
+
+def _shard_status(layout: RunLayout, k: int) -> str:
+    marker = layout.commit_marker(k)
+    if marker is not None:
+        return "committed" if layout.is_committed(k) else "corrupt"
+    return "uncommitted" if layout.store.list(layout.shard_prefix(k)) else "missing"
+
+
+def summarize(layout: RunLayout) -> dict[str, Any]:
+    """Compute the summary dict of a run (does not write it)."""
+    manifest = layout.manifest()
+    shards: list[dict[str, Any]] = []
+    tables: list[pa.Table] = []
+    pending = 0
+    for entry in manifest["shards"]:
+        k = entry["shard"]
+        status = _shard_status(layout, k)
+        info: dict[str, Any] = {"shard": k, "status": status, "rows": entry["rows"]}
+        if status == "committed":
+            table = layout.read_rows(k)
+            marker = layout.commit_marker(k) or {}
+            ok = int(pc.sum(pc.equal(table.column("status"), "ok")).as_py() or 0)
+            info.update(ok=ok, failed=table.num_rows - ok, started_at=marker.get("started_at"),
+                        committed_at=marker.get("committed_at"))
+            tables.append(table.append_column("shard", pa.array([k] * table.num_rows, pa.int64())))
+        else:
+            pending += entry["rows"]
+        shards.append(info)
+
+    rows = pa.concat_tables(tables, promote_options="permissive") if tables else None
+    ok_rows = rows.filter(pc.equal(rows.column("status"), "ok")) if rows is not None else None
+    n_ok = ok_rows.num_rows if ok_rows is not None else 0
+    n_failed = (rows.num_rows - n_ok) if rows is not None else 0
+
+    commits = [s["committed_at"] for s in shards if s.get("committed_at")]
+    wall_s = None
+    if commits:
+        wall_s = max(0.0, (max(map(datetime.fromisoformat, commits))
+                           - datetime.fromisoformat(manifest["created"])).total_seconds())
+
+    time_split = {g: sum(_sum(rows, c) for c in cols) if rows is not None else 0.0
+                  for g, cols in TIME_GROUPS.items()}
+    total_time = sum(time_split.values())
+    errors = []
+    if rows is not None:
+        failed = rows.filter(pc.not_equal(rows.column("status"), "ok")).select(["shard", "id", "error"])
+        errors = failed.slice(0, MAX_ERRORS_LISTED).to_pylist()
+
+    summary = {
+        "run_id": layout.run_id,
+        "dataset": manifest.get("dataset"),
+        "kind": manifest.get("kind"),
+        "num_shards": manifest["num_shards"],
+        "rows_total": manifest["num_rows"],
+        "rows_ok": n_ok,
+        "rows_failed": n_failed,
+        "rows_pending": pending,
+        "complete": all(s["status"] == "committed" for s in shards),
+        "shards_committed": [s["shard"] for s in shards if s["status"] == "committed"],
+        "shards_missing": [s["shard"] for s in shards if s["status"] == "missing"],
+        "shards_uncommitted": [s["shard"] for s in shards if s["status"] in ("uncommitted", "corrupt")],
+        "shards": shards,
+        "wall_s": wall_s,
+        "images_per_minute": (n_ok / wall_s * 60.0) if wall_s else None,
+        "time_split_s": time_split,
+        "time_split_fraction": {g: (v / total_time if total_time else None) for g, v in time_split.items()},
+        "kv_paths": dict(Counter(ok_rows.column("kv_path").to_pylist())) if ok_rows is not None else {},
+        "kv_reasons": dict(Counter(ok_rows.column("kv_reason").to_pylist())) if ok_rows is not None else {},
+        "means_ok_rows": {c: _mean(ok_rows, c) for c in MEAN_COLUMNS} if ok_rows is not None else {},
+        "errors": errors,
+        "errors_truncated": max(0, n_failed - len(errors)),
+        "created": utc_now(),
+    }
+    # JSON keys must be strings: a null kv_path (e.g. not recorded) is listed as "null"
+    summary["kv_paths"] = {str(k): v for k, v in summary["kv_paths"].items()}
+    summary["kv_reasons"] = {str(k): v for k, v in summary["kv_reasons"].items()}
+    return summary
+
+
+def run(output: str, run_id: str) -> dict[str, Any]:
+    """Summarize the run and write summary.json; returns the summary dict."""
+    layout = RunLayout.open(output, run_id)
+    summary = summarize(layout)
+    layout.write_json(layout.summary_key, summary)
+    return summary
