@@ -1,0 +1,195 @@
+"""Argo Workflows definitions built with Hera: WorkflowTemplates for batch edit and dataset
+generation, and a CronWorkflow for scheduled generation.
+
+DAG: shard -> fan-out over shard indices (withSequence, bounded by ``parallelism``) of a per-shard
+DAG (AR -> DiT) -> summary. Shards are independent, so the AR of one shard overlaps the DiT of
+another. Step templates take every per-run value as an input; only the top DAG binds them, which
+lets the CronWorkflow bind ``run_id`` to its scheduled time. hera is imported inside functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.cluster import ENDPOINT_KEYS, KV_STORE_FROM_CONFIGMAP, S3_SECRET_KEYS, ClusterSettings, Pool
+from pipeline.cluster import step_args, step_command
+
+TEMPLATES = {"batch_edit": "ardit-batch-edit", "generate_dataset": "ardit-generate-dataset"}
+CRON_NAME = "ardit-generate-dataset-cron"
+# Same slot -> same run id, so a re-run (or `argo retry`) of a scheduled slot resumes its run
+# instead of starting a new one. RFC 3339, e.g. 2026-11-22T02:00:00Z.
+CRON_RUN_ID = "scheduled-{{workflow.scheduledTime}}"
+# Not retried: exit code 2 is a usage error (bad arguments), which no retry can fix.
+RETRY_WHEN = "lastRetry.status == 'Error' or (lastRetry.status == 'Failed' and asInt(lastRetry.exitCode) != 2)"
+
+_STEP_INPUTS = {
+    "shard": ("dataset", "output", "run_id", "num_shards", "kind"),
+    "ar": ("output", "run_id", "shard", "model", "kv_store"),
+    "dit": ("output", "run_id", "shard", "model", "kv_store", "steps", "guidance"),
+    "summary": ("output", "run_id"),
+}
+_RUN_VALUES = ("output", "run_id", "model", "kv_store", "steps", "guidance")
+
+
+def workflow_parameters(settings: ClusterSettings, with_run_id: bool = True) -> dict[str, str | None]:
+    """Workflow arguments and their defaults (None: required at submission)."""
+    params: dict[str, str | None] = {
+        "dataset": None, "output": None, "run_id": None, "num_shards": "4", "model": "tiny",
+        "kv_store": KV_STORE_FROM_CONFIGMAP, "steps": "50", "guidance": "5.0",
+        "gpu_image": settings.gpu_image, "tools_image": settings.tools_image,
+    }
+    if not with_run_id:
+        del params["run_id"]
+    return params
+
+
+def _step(step: str, image: str, pool: Pool, s: ClusterSettings) -> Any:
+    """A container template running one step program with its pool, credentials and retries."""
+    from hera.workflows import ConfigMapEnvFrom, Container, ExistingVolume, Parameter, Resources, RetryStrategy
+    from hera.workflows import SecretEnv
+    from hera.workflows import models as m
+
+    inputs = _STEP_INPUTS[step]
+    values = {n: "{{inputs.parameters.%s}}" % n for n in inputs}
+    uses_weights = bool(s.weights_pvc and pool.gpus)
+    return Container(
+        name=step,
+        image=image,
+        command=step_command(step),
+        args=step_args(step, **values, weights=s.weights if uses_weights else None),
+        inputs=[Parameter(name=n) for n in inputs],
+        resources=Resources(cpu_request=pool.cpu, memory_request=pool.memory, memory_limit=pool.memory,
+                            gpus=pool.gpus or None),
+        node_selector=pool.node_selector or None,
+        tolerations=[m.Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect)
+                     for t in pool.tolerations] or None,
+        env=[SecretEnv(name=k, secret_name=s.s3_secret, secret_key=k) for k in S3_SECRET_KEYS],
+        env_from=[ConfigMapEnvFrom(name=s.endpoints_config_map, optional=True)],
+        volumes=[ExistingVolume(name="weights", claim_name=s.weights_pvc, mount_path=s.weights_path,
+                                read_only=True)] if uses_weights else None,
+        # Steps skip committed work, so a retry resumes rather than redoes.
+        retry_strategy=RetryStrategy(limit=s.retries, retry_policy="Always", expression=RETRY_WHEN,
+                                     backoff=m.Backoff(duration=s.backoff, factor=s.backoff_factor,
+                                                       max_duration=s.backoff_max)),
+    )
+
+
+def _declare_templates(kind: str, run_id: str, s: ClusterSettings) -> None:
+    """Declare the step templates and the DAGs inside the current Hera workflow context."""
+    from hera.workflows import DAG, Parameter
+    from hera.workflows import models as m
+
+    gpu, tools = "{{workflow.parameters.gpu_image}}", "{{workflow.parameters.tools_image}}"
+    shard = _step("shard", tools, s.tools_pool, s)
+    ar = _step("ar", gpu, s.ar_pool, s)
+    dit = _step("dit", gpu, s.dit_pool, s)
+    summary = _step("summary", tools, s.tools_pool, s)
+
+    per_shard_inputs = _STEP_INPUTS["dit"]
+    with DAG(name="shard-pipeline", inputs=[Parameter(name=n) for n in per_shard_inputs]) as shard_pipeline:
+        given = {n: "{{inputs.parameters.%s}}" % n for n in per_shard_inputs}
+        a = ar(name="ar", arguments={n: given[n] for n in _STEP_INPUTS["ar"]})
+        d = dit(name="dit", arguments=given)
+        a >> d
+
+    run = {n: "{{workflow.parameters.%s}}" % n for n in _RUN_VALUES} | {"run_id": run_id}
+    with DAG(name="main", parallelism=s.max_parallel_shards):
+        sh = shard(name="shard", arguments={"dataset": "{{workflow.parameters.dataset}}", "output": run["output"],
+                                            "run_id": run_id, "kind": kind,
+                                            "num_shards": "{{workflow.parameters.num_shards}}"})
+        per = shard_pipeline(name="shards", arguments=run | {"shard": "{{item}}"},
+                             with_sequence=m.Sequence(count="{{workflow.parameters.num_shards}}"))
+        done = summary(name="summary", arguments={"output": run["output"], "run_id": run_id})
+        sh >> per >> done
+
+
+def _spec(s: ClusterSettings) -> dict[str, Any]:
+    """Workflow-level settings shared by the templates and the cron."""
+    from hera.workflows import models as m
+
+    return dict(
+        entrypoint="main",
+        service_account_name=s.service_account,
+        # Keep failed pods (and their logs) for debugging; drop succeeded ones.
+        pod_gc=m.PodGC(strategy="OnPodSuccess", delete_delay_duration="10m"),
+        ttl_strategy=m.TTLStrategy(seconds_after_success=7 * 86400, seconds_after_failure=14 * 86400),
+        security_context=m.PodSecurityContext(run_as_non_root=True, run_as_user=10001, fs_group=10001),
+    )
+
+
+def _arguments(params: dict[str, str | None]) -> list[Any]:
+    from hera.workflows import Parameter
+
+    return [Parameter(name=k) if v is None else Parameter(name=k, value=v) for k, v in params.items()]
+
+
+def workflow_template(pipeline: str, settings: ClusterSettings | None = None) -> Any:
+    """The WorkflowTemplate of ``pipeline`` ("batch_edit" or "generate_dataset")."""
+    from hera.workflows import WorkflowTemplate
+
+    s = settings or ClusterSettings()
+    kind = {"batch_edit": "edit", "generate_dataset": "generate"}[pipeline]
+    with WorkflowTemplate(name=TEMPLATES[pipeline], arguments=_arguments(workflow_parameters(s)),
+                          **_spec(s)) as wt:
+        _declare_templates(kind, "{{workflow.parameters.run_id}}", s)
+    return wt
+
+
+def cron_workflow(settings: ClusterSettings | None = None, dataset: str = "s3://ardit/prompts/daily.parquet",
+                  output: str = "s3://ardit/generated") -> Any:
+    """Scheduled dataset generation; one run per slot, never two at once."""
+    from hera.workflows import CronWorkflow
+
+    s = settings or ClusterSettings()
+    params = workflow_parameters(s, with_run_id=False) | {"dataset": dataset, "output": output}
+    with CronWorkflow(name=CRON_NAME, schedules=[s.cron_schedule], timezone=s.cron_timezone,
+                      concurrency_policy="Forbid", starting_deadline_seconds=s.cron_starting_deadline_seconds,
+                      successful_jobs_history_limit=3, failed_jobs_history_limit=3,
+                      arguments=_arguments(params), **_spec(s)) as cron:
+        _declare_templates("generate", CRON_RUN_ID, s)
+    return cron
+
+
+def render_all(settings: ClusterSettings | None = None) -> dict[str, str]:
+    """``{file name: YAML}`` for every WorkflowTemplate and the CronWorkflow."""
+    docs = {f"{TEMPLATES[p]}.yaml": workflow_template(p, settings).to_yaml() for p in TEMPLATES}
+    docs[f"{CRON_NAME}.yaml"] = cron_workflow(settings).to_yaml()
+    return docs
+
+
+def write_all(out_dir: str | Path, settings: ClusterSettings | None = None) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in render_all(settings).items():
+        (out / name).write_text(text)
+        paths.append(out / name)
+    return paths
+
+
+class SubmitError(RuntimeError):
+    """Submission failed; the message says why in words a user can act on."""
+
+
+def submit(pipeline: str, arguments: dict[str, str], *, host: str, namespace: str, token: str | None = None,
+           verify_ssl: bool = True) -> str:
+    """Start a Workflow from the installed WorkflowTemplate of ``pipeline``; returns its name."""
+    import requests
+    from hera.exceptions import HeraException
+    from hera.workflows import Parameter, Workflow, WorkflowsService
+    from hera.workflows import models as m
+
+    service = WorkflowsService(host=host, token=token, namespace=namespace, verify_ssl=verify_ssl)
+    wf = Workflow(generate_name=f"{TEMPLATES[pipeline]}-", namespace=namespace, workflows_service=service,
+                  workflow_template_ref=m.WorkflowTemplateRef(name=TEMPLATES[pipeline]),
+                  arguments=[Parameter(name=k, value=str(v)) for k, v in arguments.items()])
+    try:
+        created = wf.create()
+    except requests.exceptions.ConnectionError as e:
+        raise SubmitError(f"cannot reach the Argo server at {host}: {e.__class__.__name__}") from e
+    except requests.exceptions.RequestException as e:
+        raise SubmitError(f"request to the Argo server at {host} failed: {e}") from e
+    except HeraException as e:
+        raise SubmitError(f"the Argo server at {host} refused the workflow ({e.__class__.__name__}): {e}") from e
+    return created.metadata.name
