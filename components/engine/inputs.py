@@ -1,0 +1,80 @@
+"""Turning a `Sequence` into model inputs: conditioning-image encodings and token embeddings.
+
+Both the AR and the DiT go through `embed_span`, so the same token gets the same embedding in
+both stages (text ids, `<timestep>` with t, VAE latent tokens, ViT tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from .sequence import CondImage, Sequence, SequenceBuilder
+from .transformer import HunyuanImage3ForCausalMM
+
+
+@dataclass
+class EncodedImage:
+    """One conditioning image, encoded once per request."""
+
+    footprint: CondImage
+    latents: torch.Tensor  # [1, C, h, w]
+    vit_tokens: torch.Tensor  # [vit_len, hidden]
+
+
+@torch.no_grad()
+def encode_cond_images(model: HunyuanImage3ForCausalMM, builder: SequenceBuilder,
+                       images: list[Image.Image]) -> list[EncodedImage]:
+    """Resize each image to its nearest resolution bucket, then VAE-encode and ViT-encode it."""
+    from .image_processing import pil_to_tensor, resize_center_crop
+    from .vit import encode_vit, preprocess_for_vit
+
+    cfg = model.config
+    out = []
+    for image in images:
+        image = image.convert("RGB")
+        ratio = builder.resolutions.nearest(*image.size)
+        width, height = builder.resolutions.size(ratio)
+        pixels = pil_to_tensor(resize_center_crop(image, width, height)).unsqueeze(0).to(model.device)
+        latents = model.vae.encode(pixels.to(next(model.vae.parameters()).dtype)).float()
+        vit_in = preprocess_for_vit(image, cfg.vit)
+        vit_tokens = encode_vit(model.vision_model, model.vision_aligner, [vit_in])[0].to(model.dtype)
+        footprint = CondImage(latents.shape[2], latents.shape[3], ratio, tuple(vit_in.spatial_shape),
+                              vit_tokens.shape[0])
+        out.append(EncodedImage(footprint, latents, vit_tokens))
+    return out
+
+
+def embed_span(model: HunyuanImage3ForCausalMM, ids: list[int], seq: Sequence, start: int, end: int,
+               cond: list[EncodedImage], gen_latents: torch.Tensor | None = None,
+               gen_t: torch.Tensor | None = None) -> torch.Tensor:
+    """Embeddings [end - start, H] for tokens [start, end) of one row of `seq`.
+
+    Conditioning images use t = 0 (clean); the generated image's `<timestep>` and latent tokens use
+    `gen_t` / `gen_latents` [1, C, h, w] and are needed only when the span covers them.
+    """
+    device = model.device
+    x = model.embed_ids(torch.tensor(ids[start:end], device=device)).clone()
+
+    def put(pos: int, values: torch.Tensor) -> None:
+        """Scatter rows `values` that belong at sequence positions [pos, pos + len) into the span."""
+        lo, hi = max(pos, start), min(pos + values.shape[0], end)
+        if lo < hi:
+            x[lo - start:hi - start] = values[lo - pos:hi - pos].to(x.dtype)
+
+    zero = torch.zeros(1, device=device)
+    for slot, enc in zip(seq.cond_images, cond):
+        if slot.end <= start or slot.timestep_index >= end:
+            continue
+        put(slot.timestep_index, model.timestep_tokens(zero))
+        put(slot.start, model.image_tokens(enc.latents, zero)[0])
+        put(slot.vit_start, enc.vit_tokens)
+    gen = seq.gen_image
+    if gen is not None and gen.timestep_index < end and gen.end > start:
+        if gen_latents is None or gen_t is None:
+            raise ValueError("span covers the generated image: gen_latents and gen_t are required")
+        put(gen.timestep_index, model.timestep_tokens(gen_t))
+        put(gen.start, model.image_tokens(gen_latents, gen_t)[0])
+    return x

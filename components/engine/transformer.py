@@ -1,0 +1,408 @@
+"""The HunyuanImage-3 transformer: one set of weights for text AR and image denoising.
+
+Module and parameter names follow the official `HunyuanImage3ForCausalMM` (`model.wte`,
+`model.layers.N.self_attn.qkv_proj`, `...mlp.gate.wg`, `patch_embed`, `final_layer`, ...), except
+that routed experts are stored stacked (`mlp.experts.gate_and_up_proj` [E, 2I, H]) for the grouped
+GEMM; `weights.py` maps them to and from the official per-expert names.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import HunyuanImage3Config
+
+
+# -- building blocks ------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin [..., T, head_dim] for (y, x) positions [..., T, 2].
+
+    Rotary pair j uses frequency theta^(-2j/d) on axis y (j even) or x (j odd), the official
+    interleaving; text has y == x, so it is exactly ordinary 1-D RoPE.
+    """
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
+    axis = torch.arange(half, device=positions.device) % 2
+    angles = positions.double()[..., axis] * inv_freq  # [..., T, half]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, H, T, D]; cos/sin [B, T, D]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated per-layer K/V [B, kv_heads, capacity, head_dim]; `length` slots are filled.
+
+    A forward writes its new K/V at [length, length + T) in every layer; `commit()` then makes
+    them part of the prefix (AR decode), while the DiT's per-step image tokens are never committed
+    and are overwritten by the next step.
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+        self._pending = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.shape[2]
+        end = self.length + t
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        self._pending = t
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+
+    @classmethod
+    def from_rows(cls, rows: list["KVCache"], extra_capacity: int) -> "KVCache":
+        """Stack batch-1 caches of equal length into one batch (the DiT's [cond; uncond])."""
+        length = rows[0].length
+        if any(r.length != length for r in rows):
+            raise ValueError("rows must have equal prefix lengths to be stacked")
+        k0 = rows[0].k[0]
+        out = cls(len(rows[0].k), len(rows), k0.shape[1], k0.shape[3], length + extra_capacity, k0.dtype, k0.device)
+        for layer in range(len(out.k)):
+            out.k[layer][:, :, :length] = torch.cat([r.k[layer][:, :, :length] for r in rows])
+            out.v[layer][:, :, :length] = torch.cat([r.v[layer][:, :, :length] for r in rows])
+        out.length = length
+        return out
+
+
+class Attention(nn.Module):
+    """GQA with QK-norm (RMSNorm on Q and K after RoPE, as in the official code)."""
+
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim)
+        self.groups = self.num_heads // self.num_kv_heads
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.query_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.key_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        # Official fused layout: per KV head, [groups query heads, 1 key, 1 value].
+        qkv = self.qkv_proj(x).view(b, t, self.num_kv_heads, self.groups + 2, self.head_dim)
+        q, k, v = qkv.split([self.groups, 1, 1], dim=3)
+        q = q.reshape(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.query_layernorm(apply_rope(q, cos, sin))
+        k = self.key_layernorm(apply_rope(k, cos, sin))
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU with the official fused `gate_and_up_proj`: down(x1 * silu(x2))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_and_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = self.gate_and_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(x1 * F.silu(x2))
+
+
+class TopKGate(nn.Module):
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.wg = nn.Linear(hidden, num_experts, bias=False)  # kept in fp32, as in the checkpoint
+
+
+class Experts(nn.Module):
+    """All routed experts' weights stacked: [E, 2I, H] and [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_and_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        nn.init.normal_(self.gate_and_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+
+def _grouped_mm_available(x: torch.Tensor) -> bool:
+    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+
+
+class MoE(nn.Module):
+    """Softmax router, top-k renormalised, plus the shared expert. Never drops tokens."""
+
+    # "auto": grouped GEMM where supported (CUDA bf16), else the per-expert loop
+    impl: str = "auto"
+
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        self.top_k = cfg.moe_topk
+        self.num_experts = cfg.num_experts
+        self.shared_mlp = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_expert)
+        self.gate = TopKGate(cfg.hidden_size, cfg.num_experts)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(self.gate.wg(x.float()), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-8)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, experts = self.route(flat)
+        impl = self.impl
+        if impl == "auto":
+            impl = "grouped" if _grouped_mm_available(flat) else "loop"
+        routed = (moe_grouped if impl == "grouped" else moe_loop)(
+            flat, weights, experts, self.experts.gate_and_up_proj, self.experts.down_proj)
+        return self.shared_mlp(x) + routed.view(shape)
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    a, b = h.chunk(2, dim=-1)
+    return a * F.silu(b)
+
+
+def moe_loop(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
+    """Reference path: one GEMM pair per expert over the tokens routed to it."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w_gate_up.shape[0]):
+        token, slot = (experts == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        y = _swiglu(x[token] @ w_gate_up[e].T) @ w_down[e].T
+        out.index_add_(0, token, y.float() * weights[token, slot].unsqueeze(1))
+    return out.to(x.dtype)
+
+
+def moe_grouped(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
+    """Grouped-GEMM path (`torch._grouped_mm`): tokens sorted by expert, one launch per GEMM."""
+    k = experts.shape[1]
+    flat_experts = experts.reshape(-1)
+    order = torch.argsort(flat_experts, stable=True)
+    token = order // k
+    counts = torch.bincount(flat_experts, minlength=w_gate_up.shape[0])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[token]
+    h = _swiglu(torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs))
+    y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
+    y = y.float() * weights.reshape(-1)[order].unsqueeze(1)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, y)
+    return out.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HunyuanImage3Model(nn.Module):
+    """The decoder stack (`model.` in the checkpoint)."""
+
+    def __init__(self, cfg: HunyuanImage3Config) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# -- timestep and image heads ---------------------------------------------------------------------
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class TimestepEmbedder(nn.Module):
+    """256-d sinusoid -> Linear -> GELU -> Linear."""
+
+    def __init__(self, hidden: int, freq_dim: int = 256) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.mlp(timestep_embedding(t, self.freq_dim).to(self.mlp[0].weight.dtype))
+
+
+def _group_norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(min(32, channels), channels)
+
+
+class ResBlock(nn.Module):
+    """Timestep-conditioned residual block (adaptive GroupNorm scale/shift), official names."""
+
+    def __init__(self, in_channels: int, emb_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.in_layers = nn.Sequential(_group_norm(in_channels), nn.SiLU(),
+                                       nn.Conv2d(in_channels, out_channels, 3, padding=1))
+        self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_channels, 2 * out_channels))
+        self.out_layers = nn.Sequential(_group_norm(out_channels), nn.SiLU(), nn.Dropout(0.0),
+                                        nn.Conv2d(out_channels, out_channels, 3, padding=1))
+        self.skip_connection = (nn.Identity() if in_channels == out_channels
+                                else nn.Conv2d(in_channels, out_channels, 1))
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        h = self.in_layers(x)
+        scale, shift = self.emb_layers(emb)[..., None, None].chunk(2, dim=1)
+        h = self.out_layers[0](h) * (1 + scale) + shift
+        h = self.out_layers[3](self.out_layers[2](self.out_layers[1](h)))
+        return self.skip_connection(x) + h
+
+
+class UNetDown(nn.Module):
+    """Patch embed (patch size 1): 3x3 conv to the hidden channels, then a ResBlock to the model width."""
+
+    def __init__(self, in_channels: int, emb_channels: int, hidden_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.model = nn.ModuleList([nn.Conv2d(in_channels, hidden_channels, 3, padding=1),
+                                    ResBlock(hidden_channels, emb_channels, out_channels)])
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        x = self.model[1](self.model[0](x), emb)
+        return x.flatten(2).transpose(1, 2)  # [B, h*w, C]
+
+
+class UNetUp(nn.Module):
+    """Image output head: ResBlock back to the hidden channels, GroupNorm + SiLU + 3x3 conv to latents."""
+
+    def __init__(self, in_channels: int, emb_channels: int, hidden_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.model = nn.ModuleList([
+            ResBlock(in_channels, emb_channels, hidden_channels),
+            nn.Sequential(_group_norm(hidden_channels), nn.SiLU(),
+                          nn.Conv2d(hidden_channels, out_channels, 3, padding=1)),
+        ])
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], h, w)
+        return self.model[1](self.model[0](x, emb))
+
+
+# -- the whole model ------------------------------------------------------------------------------
+class HunyuanImage3ForCausalMM(nn.Module):
+    def __init__(self, cfg: HunyuanImage3Config, with_conditioning: bool = True) -> None:
+        super().__init__()
+        self.config = cfg
+        hidden, latent = cfg.hidden_size, cfg.vae.latent_channels
+        if with_conditioning:  # VAE and ViT; performance runs of the layer stack leave them out
+            from .vae import build_vae
+            from .vit import LightProjector, build_vision_model
+
+            self.vae = build_vae(cfg.vae)
+            self.vision_model = build_vision_model(cfg.vit)
+            self.vision_aligner = LightProjector(cfg.vit.hidden_size, hidden, cfg.vit.aligner_depth)
+        self.timestep_emb = TimestepEmbedder(hidden)
+        self.patch_embed = UNetDown(latent, hidden, cfg.patch_embed_hidden_dim, hidden)
+        self.time_embed = TimestepEmbedder(hidden)
+        self.final_layer = UNetUp(hidden, hidden, cfg.patch_embed_hidden_dim, latent)
+        self.time_embed_2 = TimestepEmbedder(hidden)
+        self.model = HunyuanImage3Model(cfg)
+        self.lm_head = nn.Linear(hidden, cfg.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.wte.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.wte.weight.device
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.attention_head_dim, capacity,
+                       self.dtype, self.device)
+
+    # embeddings of the different token kinds
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.wte(ids)
+
+    def timestep_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        return self.timestep_emb(t)
+
+    def image_tokens(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.patch_embed(latents.to(self.dtype), self.time_embed(t))
+
+    def image_output(self, hidden: torch.Tensor, t: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Raw last-layer hidden states of image tokens -> latent-space prediction (no ln_f)."""
+        return self.final_layer(hidden, self.time_embed_2(t), h, w)
+
+    def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.ln_f(hidden)).float()
+
+    def forward_layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                       cache: KVCache | None) -> torch.Tensor:
+        """x [B, T, H]; positions [B, T, 2] (y, x); mask bool [B, 1, T, S] or None (attend all)."""
+        cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, cache, i)
+        return x
+
+
+def attention_mask(q_slots: torch.Tensor, k_slots: torch.Tensor, q_blocks: torch.Tensor,
+                   k_blocks: torch.Tensor, k_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool [B, 1, T, S]: causal over cache slots, plus full attention inside each image block.
+
+    q_slots [B, T] / k_slots [B, S]: cache slot of each query / key; *_blocks: block id or -1;
+    k_valid [B, S]: False for padding keys. A query always sees itself, so padding rows stay finite.
+    """
+    q, k = q_slots[:, :, None], k_slots[:, None, :]
+    qb, kb = q_blocks[:, :, None], k_blocks[:, None, :]
+    mask = (k <= q) | ((qb == kb) & (qb >= 0))
+    if k_valid is not None:
+        mask &= k_valid[:, None, :]
+    mask |= k == q
+    return mask.unsqueeze(1)
