@@ -18,8 +18,11 @@ from pipeline.cluster import step_args, step_command
 TEMPLATES = {"batch_edit": "ardit-batch-edit", "generate_dataset": "ardit-generate-dataset"}
 CRON_NAME = "ardit-generate-dataset-cron"
 # Same slot -> same run id, so a re-run (or `argo retry`) of a scheduled slot resumes its run
-# instead of starting a new one. RFC 3339, e.g. 2026-11-22T02:00:00Z.
-CRON_RUN_ID = "scheduled-{{workflow.scheduledTime}}"
+# instead of starting a new one. workflow.scheduledTime is RFC 3339 (2026-11-22T02:00:00Z); run ids
+# become paths and allow only [A-Za-z0-9._-], so the expression keeps letters and digits:
+# scheduled-20261122T020000Z.
+CRON_RUN_ID_KEEP = "[^0-9A-Za-z]"
+CRON_RUN_ID = "scheduled-{{=sprig.regexReplaceAll('%s', workflow.scheduledTime, '')}}" % CRON_RUN_ID_KEEP
 # Not retried: exit code 2 is a usage error (bad arguments), which no retry can fix.
 RETRY_WHEN = "lastRetry.status == 'Error' or (lastRetry.status == 'Failed' and asInt(lastRetry.exitCode) != 2)"
 
@@ -187,7 +190,8 @@ def submit(pipeline: str, arguments: dict[str, str], *, host: str, namespace: st
     try:
         created = wf.create()
     except requests.exceptions.ConnectionError as e:
-        raise SubmitError(f"cannot reach the Argo server at {host}: {e.__class__.__name__}") from e
+        reason = getattr(e.args[0], "reason", e) if e.args else e  # urllib3's NewConnectionError, if any
+        raise SubmitError(f"cannot reach the Argo server at {host}: {reason}") from e
     except requests.exceptions.RequestException as e:
         raise SubmitError(f"request to the Argo server at {host} failed: {e}") from e
     except HeraException as e:

@@ -1,0 +1,168 @@
+"""``ardit compile | submit | run-local``: the orchestration commands (registered by pipeline/cli.py).
+
+kfp / hera are imported inside the commands so that ``ardit --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+app = typer.Typer(help="Compile, submit and run the batch pipelines.", no_args_is_help=True)
+
+PIPELINES = ("batch_edit", "generate_dataset")
+
+
+class Engine(str, Enum):
+    kfp = "kfp"
+    argo = "argo"
+    all = "all"
+
+
+def _settings(path: Optional[Path]) -> Any:
+    from pipeline.cluster import ClusterSettings
+
+    return ClusterSettings.from_yaml(path) if path else ClusterSettings()
+
+
+SettingsOpt = typer.Option(None, "--settings", help="YAML with ClusterSettings overrides (pools, images, secrets)",
+                           exists=True, dir_okay=False)
+
+
+@app.command("compile")
+def compile_cmd(
+    out: Path = typer.Option(..., "--out", help="output folder: writes OUT/kfp/<pipeline>.yaml and OUT/argo/<name>.yaml"),
+    engine: Engine = typer.Option(Engine.all, "--engine", help="which engine's files to write"),
+    settings: Optional[Path] = SettingsOpt,
+) -> None:
+    """Write the KFP IR YAML of every pipeline and the Argo WorkflowTemplates + CronWorkflow."""
+    s = _settings(settings)
+    written: list[str] = []
+    if engine in (Engine.kfp, Engine.all):
+        from pipeline.kfp_pipelines import compile_pipelines
+
+        written += compile_pipelines(str(out / "kfp"), s)
+    if engine in (Engine.argo, Engine.all):
+        from pipeline.argo import write_all
+
+        written += [str(p) for p in write_all(out / "argo", s)]
+    for path in written:
+        typer.echo(path)
+
+
+def parse_params(pairs: list[str]) -> dict[str, str]:
+    params: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="-p/--param")
+        params[key] = value
+    return params
+
+
+def _typed_kfp_arguments(pipeline_fn: Any, params: dict[str, str]) -> dict[str, Any]:
+    """KFP checks argument types, so cast the CLI's strings to the pipeline's declared input types."""
+    inputs = pipeline_fn.component_spec.inputs or {}
+    unknown = set(params) - set(inputs)
+    if unknown:
+        raise typer.BadParameter(f"unknown parameters {sorted(unknown)}; known: {sorted(inputs)}",
+                                 param_hint="-p/--param")
+    cast = {"Integer": int, "Float": float, "Boolean": lambda v: v.lower() in ("1", "true", "yes")}
+    return {k: cast.get(inputs[k].type, str)(v) for k, v in params.items()}
+
+
+def _submit_kfp(pipeline: str, params: dict[str, str], host: str, token: Optional[str], namespace: Optional[str],
+                experiment: str, settings: Any) -> str:
+    import tempfile
+    import warnings
+
+    import kfp
+    import urllib3
+    from kfp import compiler
+    from kfp_server_api.exceptions import ApiException
+
+    from pipeline.kfp_pipelines import build_pipelines
+
+    fn = build_pipelines(settings)[pipeline]
+    arguments = _typed_kfp_arguments(fn, params)
+    with tempfile.TemporaryDirectory() as tmp:
+        package = str(Path(tmp) / f"{pipeline}.yaml")
+        compiler.Compiler().compile(pipeline_func=fn, package_path=package)
+        try:
+            with warnings.catch_warnings():  # kfp warns on every Client() that it needs a v2 backend
+                warnings.simplefilter("ignore", FutureWarning)
+                client = kfp.Client(host=host, existing_token=token, namespace=namespace)
+            run = client.create_run_from_pipeline_package(package, arguments=arguments, run_name=params["run_id"],
+                                                          experiment_name=experiment, namespace=namespace)
+        except urllib3.exceptions.HTTPError as e:
+            raise SystemExit(f"error: cannot reach the KFP API at {host}: {getattr(e, 'reason', e)}") from e
+        except ApiException as e:
+            raise SystemExit(f"error: the KFP API at {host} answered {e.status} {e.reason}: {e.body}") from e
+    return run.run_id
+
+
+@app.command("submit")
+def submit_cmd(
+    engine: Engine = typer.Option(..., "--engine", help="kfp or argo"),
+    host: str = typer.Option(..., "--host", help="KFP API (e.g. http://ml-pipeline-ui.kubeflow) or Argo server "
+                                                 "(e.g. https://argo-server.argo:2746) URL"),
+    pipeline: str = typer.Option("batch_edit", "--pipeline", help="batch_edit or generate_dataset"),
+    param: list[str] = typer.Option([], "-p", "--param", help="pipeline parameter KEY=VALUE (repeatable): dataset, "
+                                    "output, run_id, num_shards, model, kv_store, steps, guidance, gpu_image, "
+                                    "tools_image"),
+    token: Optional[str] = typer.Option(None, "--token", envvar="ARDIT_SUBMIT_TOKEN", help="bearer token"),
+    namespace: str = typer.Option("ardit", "--namespace", help="namespace (KFP: multi-user profile namespace)"),
+    experiment: str = typer.Option("ardit", "--experiment", help="KFP experiment name"),
+    insecure: bool = typer.Option(False, "--insecure", help="Argo: do not verify the server's TLS certificate"),
+    settings: Optional[Path] = SettingsOpt,
+) -> None:
+    """Start a run on a cluster; prints the run id and the engine's run name."""
+    if pipeline not in PIPELINES:
+        raise typer.BadParameter(f"{pipeline!r} is not one of {PIPELINES}", param_hint="--pipeline")
+    params = parse_params(param)
+    # Each run gets its own id unless the caller resumes one by passing it again.
+    params.setdefault("run_id", time.strftime("ardit-%Y%m%d-%H%M%S", time.gmtime()))
+    missing = {"dataset", "output"} - set(params)
+    if missing:
+        raise typer.BadParameter(f"missing required parameters: {sorted(missing)}", param_hint="-p/--param")
+    if engine == Engine.kfp:
+        name = _submit_kfp(pipeline, params, host, token, namespace, experiment, _settings(settings))
+    elif engine == Engine.argo:
+        from pipeline.argo import SubmitError, submit
+
+        try:
+            name = submit(pipeline, params, host=host, namespace=namespace, token=token, verify_ssl=not insecure)
+        except SubmitError as e:
+            raise SystemExit(f"error: {e}") from e
+    else:
+        raise typer.BadParameter("choose kfp or argo", param_hint="--engine")
+    typer.echo(json.dumps({"engine": engine.value, "pipeline": pipeline, "run_id": params["run_id"], "name": name}))
+
+
+@app.command("run-local")
+def run_local_cmd(
+    output: Path = typer.Option(Path("ardit-local"), "--output", help="output folder"),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="edit dataset; default: a small sample written "
+                                                                  "into the output folder"),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="default: local-<UTC time>; pass again to resume"),
+    num_shards: int = typer.Option(2, "--num-shards"),
+    model: str = typer.Option("tiny", "--model"),
+    weights: Optional[str] = typer.Option(None, "--weights"),
+    kv_store: Optional[str] = typer.Option(None, "--kv-store", help="default: local://OUTPUT/_kv"),
+    steps: int = typer.Option(4, "--steps"),
+    guidance: float = typer.Option(5.0, "--guidance"),
+) -> None:
+    """Run the batch_edit pipeline on this machine through kfp.local (no cluster, no Docker)."""
+    from pipeline.kfp_local import run_local
+
+    result = run_local(str(output), dataset=dataset, run_id=run_id, num_shards=num_shards, model=model,
+                       kv_store=kv_store, weights=weights, steps=steps, guidance=guidance)
+    s = result["summary"]
+    typer.echo(json.dumps({"run_id": result["run_id"], "output": result["output"],
+                           "rows_total": s.get("rows_total"), "rows_ok": s.get("rows_ok"),
+                           "rows_failed": s.get("rows_failed"), "complete": s.get("complete")}))
