@@ -251,7 +251,8 @@ class S3ObjectStore(ObjectStore):
 
             config = Config(
                 region_name=self.region,
-                retries={"max_attempts": self.max_attempts, "mode": self.retry_mode},
+                # total_max_attempts counts the first try too (botocore's max_attempts does not).
+                retries={"total_max_attempts": self.max_attempts, "mode": self.retry_mode},
                 # Custom endpoints (SeaweedFS, MinIO, ...) rarely have per-bucket DNS names.
                 s3={"addressing_style": "path" if self.endpoint_url else "auto"},
                 connect_timeout=10,

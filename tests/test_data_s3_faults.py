@@ -1,0 +1,146 @@
+"""S3 fault handling against a real SeaweedFS: transient errors are retried, permanent ones are clear.
+
+Faults are injected with a botocore `before-send` hook: for chosen operations it answers with an
+HTTP 503 SlowDown / 500 InternalError response instead of sending the request, a set number of
+times. The retry logic under test is botocore's own (configured by S3ObjectStore); the successful
+attempts go to the real server, and the results are checked there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import pytest
+
+from components.data.objectstore import ObjectStoreError, S3ObjectStore, open_object_store
+from tests.fixtures_s3 import free_ports, s3_env, s3_prefix, seaweedfs  # noqa: F401  (pytest fixtures)
+
+pytestmark = pytest.mark.servers
+MiB = 1024 * 1024
+
+
+class _Body:
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def stream(self, **_: object):
+        yield self.data
+
+
+class FaultInjector:
+    """Fails the first `failures` requests of `operation` (all of them when failures is None)."""
+
+    def __init__(self, operation: str, failures: int | None, status: int = 503, code: str = "SlowDown",
+                 skip: int = 0):
+        self.operation, self.failures, self.status, self.code, self.skip = operation, failures, status, code, skip
+        self.calls = 0
+        self.injected = 0
+        self._lock = threading.Lock()  # s3transfer sends parts from several threads
+
+    def __call__(self, request, event_name: str, **_: object):
+        from botocore.awsrequest import AWSResponse
+
+        if not event_name.endswith(f".{self.operation}"):
+            return None
+        with self._lock:
+            self.calls += 1
+            if self.calls <= self.skip:
+                return None
+            if self.failures is not None and self.injected >= self.failures:
+                return None
+            self.injected += 1
+        body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{self.code}</Code>'
+                f"<Message>injected fault</Message></Error>").encode()
+        return AWSResponse(request.url, self.status, {"Content-Type": "application/xml"}, _Body(body))
+
+
+def _store(prefix: str, injector: FaultInjector | None = None, **kw) -> S3ObjectStore:
+    store = open_object_store(prefix, **kw)
+    assert isinstance(store, S3ObjectStore)
+    if injector is not None:
+        store.client.meta.events.register("before-send.s3", injector)
+    return store
+
+
+@pytest.mark.parametrize("mode", ["standard", "adaptive"])
+def test_put_retried_through_503s(s3_prefix, s3_env, mode) -> None:
+    inj = FaultInjector("PutObject", failures=2)
+    store = _store(s3_prefix, inj, retry_mode=mode, max_attempts=5)
+    store.put_bytes("flaky/put.bin", b"payload")
+    assert (inj.injected, inj.calls) == (2, 3)  # two faults, then the real request
+    got = s3_env.client().get_object(Bucket=s3_env.bucket, Key=f"{store.prefix}/flaky/put.bin")
+    assert got["Body"].read() == b"payload"
+
+
+def test_get_and_list_retried_through_5xx(s3_prefix) -> None:
+    _store(s3_prefix).put_bytes("flaky/get.bin", b"abc" * 1000)
+    get_faults = FaultInjector("GetObject", failures=2, status=500, code="InternalError")
+    store = _store(s3_prefix, get_faults)
+    assert store.get_bytes("flaky/get.bin") == b"abc" * 1000
+    assert get_faults.injected == 2
+
+    list_faults = FaultInjector("ListObjectsV2", failures=1, status=503, code="SlowDown")
+    store = _store(s3_prefix, list_faults)
+    assert store.list("flaky/") == ["flaky/get.bin"]
+    assert list_faults.injected == 1 and list_faults.calls == 2
+
+
+def test_multipart_part_retried(s3_prefix, s3_env) -> None:
+    """The 2nd part of a 4-part upload fails twice; the upload still completes, bytes intact."""
+    data = os.urandom(20 * MiB)
+    inj = FaultInjector("UploadPart", failures=2, skip=1)
+    store = _store(s3_prefix, inj, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=2)
+    store.put_bytes("flaky/multipart.bin", data)
+    assert inj.injected == 2 and inj.calls == 4 + 2
+    back = _store(s3_prefix, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB).get_bytes(
+        "flaky/multipart.bin")
+    assert hashlib.sha256(back).digest() == hashlib.sha256(data).digest()
+
+
+def test_permanent_503_gives_clear_error(s3_prefix) -> None:
+    inj = FaultInjector("PutObject", failures=None)
+    store = _store(s3_prefix, inj, max_attempts=3)
+    with pytest.raises(ObjectStoreError) as err:
+        store.put_bytes("dead/put.bin", b"x")
+    msg = str(err.value)
+    assert "SlowDown" in msg and "HTTP 503" in msg and "3 attempt(s)" in msg
+    assert store.url("dead/put.bin") in msg
+    assert inj.calls == 3  # exactly max_attempts tries, then give up
+    assert not _store(s3_prefix).exists("dead/put.bin")
+
+
+def test_permanent_multipart_failure_leaves_no_object(s3_prefix, s3_env) -> None:
+    inj = FaultInjector("UploadPart", failures=None)
+    store = _store(s3_prefix, inj, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_attempts=2)
+    with pytest.raises(ObjectStoreError, match="SlowDown"):
+        store.put_bytes("dead/multipart.bin", os.urandom(12 * MiB))
+    assert not _store(s3_prefix).exists("dead/multipart.bin")
+    # s3transfer aborted the multipart upload: nothing left half-done on the server.
+    uploads = s3_env.client().list_multipart_uploads(Bucket=s3_env.bucket, Prefix=f"{store.prefix}/dead/")
+    assert not uploads.get("Uploads")
+
+
+def test_bad_credentials_fail_fast_and_clearly(s3_prefix, s3_env, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    store = _store(s3_prefix, max_attempts=5)
+    with pytest.raises(ObjectStoreError) as err:
+        store.put_bytes("auth/x", b"x")
+    msg = str(err.value)
+    assert "SignatureDoesNotMatch" in msg or "AccessDenied" in msg or "InvalidAccessKeyId" in msg
+    assert "1 attempt(s)" in msg  # an auth error is not retried
+
+
+def test_missing_bucket_is_a_clear_error(s3_env) -> None:
+    # (SeaweedFS creates a bucket on first PUT, so a read shows the error.)
+    store = open_object_store("s3://no-such-bucket-ardit/x")
+    with pytest.raises(ObjectStoreError, match="no-such-bucket-ardit.*NoSuchBucket"):
+        store.list("")
+
+
+def test_unreachable_endpoint_is_a_clear_error(s3_env) -> None:
+    (port,) = free_ports(1)  # nothing listens there
+    store = S3ObjectStore(s3_env.bucket, "x", endpoint_url=f"http://127.0.0.1:{port}", max_attempts=2)
+    with pytest.raises(ObjectStoreError, match=f"127.0.0.1:{port}"):
+        store.get_bytes("k")
