@@ -9,7 +9,7 @@ from PIL import Image
 
 from components.engine.config import full_config, tiny_config
 from components.engine.image_processing import pil_to_tensor, resize_center_crop, tensor_to_pil
-from components.engine.vae import build_vae
+from components.engine.vae import _channels_to_space_time, _space_time_to_channels, build_vae
 from components.engine.vit import (
     LightProjector,
     ViTInput,
@@ -78,6 +78,33 @@ def test_vae_scaling_and_shift_are_applied(tiny):
     z = torch.randn(1, tiny.vae.latent_channels, 2, 2)
     # decode inverts the scaling before the decoder
     torch.testing.assert_close(scaled.decode((z - 0.25) * 0.5), base.decode(z), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("r1", [1, 2])
+def test_dcae_rearrange_layout(r1):
+    """Space-to-channel follows the official einops pattern
+    `b c (f r1) (h r2) (w r3) -> b (r1 r2 r3 c) f h w`, and channel-to-space is its inverse."""
+    b, c, f, h, w = 1, 3, 2 * r1, 4, 6
+    x = torch.randn(b, c, f, h, w)
+    y = _space_time_to_channels(x, r1)
+    assert y.shape == (b, r1 * 4 * c, f // r1, h // 2, w // 2)
+    for ci, fi, hi, wi in [(0, 0, 0, 0), (2, f - 1, h - 1, w - 1), (1, r1 - 1, 1, 4), (2, 1, 3, 2)]:
+        i, j, k = fi % r1, hi % 2, wi % 2
+        channel = ((i * 2 + j) * 2 + k) * c + ci
+        assert y[0, channel, fi // r1, hi // 2, wi // 2] == x[0, ci, fi, hi, wi]
+    torch.testing.assert_close(_channels_to_space_time(y, r1), x, rtol=0, atol=0)
+
+
+def test_vae_time_folding(vae, tiny):
+    """An image enters as ffactor_temporal frames that the encoder folds to one latent frame; the
+    decoder unfolds one latent frame back to ffactor_temporal frames."""
+    x = torch.rand(1, 3, 32, 32) * 2 - 1
+    frames = x.unsqueeze(2).expand(-1, -1, vae.ffactor_temporal, -1, -1)
+    assert vae.encoder(frames).shape == (1, 2 * tiny.vae.latent_channels, 1, 2, 2)
+    z = torch.randn(1, tiny.vae.latent_channels, 1, 2, 2)
+    out = vae.decoder(z)
+    assert out.shape == (1, 3, vae.ffactor_temporal, 32, 32)
+    torch.testing.assert_close(vae.decode(z[:, :, 0]), out[:, :, -1])
 
 
 def test_vae_rejects_unaligned_size(vae):
