@@ -1,0 +1,147 @@
+"""Accuracy thresholds, per-row checks and the per-config summary of row metrics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import pyarrow as pa
+
+from components.evaluate.metrics import MISMATCH_LEVELS, OK, mismatch_key
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Per-image gates (None = not checked). Defaults in the sweep spec follow vLLM-Omni's
+    pixel-accuracy test: PSNR >= 30 dB, SSIM >= 0.97, mean |delta| <= 0.03, p99 |delta| <= 0.30."""
+
+    psnr_min: float | None = None
+    ssim_min: float | None = None
+    mean_abs_max: float | None = None
+    p99_abs_max: float | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "Thresholds":
+        data = dict(data or {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown threshold(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**{k: (None if v is None else float(v)) for k, v in data.items()})
+
+    def merged(self, override: dict[str, Any] | None) -> "Thresholds":
+        """These thresholds with the keys of `override` replaced (a None value disables a gate)."""
+        if not override:
+            return self
+        Thresholds.from_dict(override)  # validates the keys
+        return Thresholds.from_dict({**asdict(self), **override})
+
+    def as_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in asdict(self).values())
+
+    def describe(self) -> str:
+        parts = []
+        if self.psnr_min is not None:
+            parts.append(f"PSNR ≥ {self.psnr_min:g} dB")
+        if self.ssim_min is not None:
+            parts.append(f"SSIM ≥ {self.ssim_min:g}")
+        if self.mean_abs_max is not None:
+            parts.append(f"mean |Δ| ≤ {self.mean_abs_max:g}")
+        if self.p99_abs_max is not None:
+            parts.append(f"p99 |Δ| ≤ {self.p99_abs_max:g}")
+        return ", ".join(parts) or "no gates"
+
+
+def row_violations(row: dict[str, Any], th: Thresholds) -> list[str]:
+    """Reasons one metrics row fails the gates (a row that could not be compared always fails)."""
+    if row.get("eval_status") != OK:
+        return [f"{row.get('eval_status')}: {row.get('eval_error')}"]
+    out = []
+    psnr, ssim = row.get("psnr"), row.get("ssim")
+    if th.psnr_min is not None and not (psnr is not None and psnr >= th.psnr_min):
+        out.append(f"PSNR {fmt_db(psnr)} < {th.psnr_min:g} dB")
+    if th.ssim_min is not None and not (ssim is not None and ssim >= th.ssim_min):
+        out.append(f"SSIM {ssim:.4f} < {th.ssim_min:g}")
+    if th.mean_abs_max is not None and not (row.get("mean_abs", math.inf) <= th.mean_abs_max):
+        out.append(f"mean |Δ| {row.get('mean_abs'):.4f} > {th.mean_abs_max:g}")
+    if th.p99_abs_max is not None and not (row.get("p99_abs", math.inf) <= th.p99_abs_max):
+        out.append(f"p99 |Δ| {row.get('p99_abs'):.4f} > {th.p99_abs_max:g}")
+    return out
+
+
+def fmt_db(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return "∞" if math.isinf(v) else f"{v:.2f}"
+
+
+def _vals(rows: list[dict[str, Any]], key: str) -> list[float]:
+    out = []
+    for r in rows:
+        v = r.get(key)
+        if v is None or isinstance(v, bool):
+            continue
+        v = float(v)
+        if not math.isnan(v):
+            out.append(v)
+    return out
+
+
+def _mean(v: list[float]) -> float | None:
+    return float(sum(v) / len(v)) if v else None
+
+
+def summarize(rows: list[dict[str, Any]], th: Thresholds | None = None) -> dict[str, Any]:
+    """Aggregate one config's row metrics. PSNR mean is inf only when every row is identical."""
+    ok = [r for r in rows if r.get("eval_status") == OK]
+    out: dict[str, Any] = {
+        "rows": len(rows),
+        "rows_compared": len(ok),
+        "rows_failed_eval": len(rows) - len(ok),
+        "psnr_mean": _mean(_vals(ok, "psnr")),
+        "psnr_min": min(_vals(ok, "psnr"), default=None),
+        "ssim_mean": _mean(_vals(ok, "ssim")),
+        "ssim_min": min(_vals(ok, "ssim"), default=None),
+        "mean_abs_mean": _mean(_vals(ok, "mean_abs")),
+        "mean_abs_max": max(_vals(ok, "mean_abs"), default=None),
+        "p99_abs_max": max(_vals(ok, "p99_abs"), default=None),
+        "max_abs": max(_vals(ok, "max_abs"), default=None),
+        "mismatch_any_mean": _mean(_vals(ok, "mismatch_any")),
+    }
+    for level in MISMATCH_LEVELS:
+        out[f"{mismatch_key(level)}_mean"] = _mean(_vals(ok, mismatch_key(level)))
+    out["bitwise_rows"] = sum(1 for r in ok if r.get("bitwise"))
+    out["cot_similarity_mean"] = _mean(_vals(ok, "cot_similarity"))
+    tok = [r for r in ok if r.get("tokens_identical") is not None]
+    out["token_rows"] = len(tok)
+    out["tokens_identical_rows"] = sum(1 for r in tok if r["tokens_identical"])
+    divs = sorted(int(r["first_divergence"]) for r in tok if r.get("first_divergence") is not None)
+    out["first_divergence_median"] = float(divs[len(divs) // 2]) if divs else None
+    out["latent_cos_dist_mean"] = _mean(_vals(ok, "latent_cos_dist"))
+    for key in ("time_per_image_s", "ar_prefill_s", "ar_decode_s", "dit_total_s", "vae_decode_s"):
+        out[f"{key}_mean"] = _mean(_vals(rows, key))
+    if th is not None:
+        violations = []
+        for r in rows:
+            for reason in row_violations(r, th):
+                violations.append(f"{r.get('id')}: {reason}")
+        out["violations"] = violations
+        out["passed"] = not violations
+    return out
+
+
+def records_to_table(records: list[dict[str, Any]]) -> pa.Table:
+    """A table over the union of the records' keys (first-seen order); missing values are null."""
+    keys: list[str] = []
+    seen: set[str] = set()
+    for r in records:
+        for k in r:
+            if k not in seen:
+                seen.add(k)
+                keys.append(k)
+    return pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in records])

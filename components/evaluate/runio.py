@@ -1,0 +1,164 @@
+"""Reading a finished run: `{output}/{run}/shards/{k}/rows.parquet`, images and optional latents.
+
+Only what evaluation needs; the run layout itself is described in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from PIL import Image
+
+OK_STATUSES = frozenset({"ok", "success", "succeeded", "done", "completed"})
+# Per-row stage timings (seconds) a run may record; the sum is the time per image.
+STAGE_TIMINGS: tuple[str, ...] = ("ar_prefill_s", "ar_decode_s", "dit_total_s", "vae_decode_s")
+TOTAL_TIMINGS: tuple[str, ...] = ("total_s", "e2e_s")
+
+
+def local_path(uri: str | Path) -> Path:
+    """A local path for a run URI (plain path or file://). Remote stores are not read here."""
+    text = str(uri)
+    if text.startswith("file://"):
+        return Path(text[len("file://") :])
+    if "://" in text:
+        raise ValueError(
+            f"{text}: only local run directories can be evaluated; copy the run locally first"
+        )
+    return Path(text)
+
+
+def run_dir(output: str | Path, run_id: str) -> Path:
+    return local_path(output) / run_id
+
+
+@dataclass
+class RunRow:
+    id: str
+    shard: str
+    status: str
+    error: str
+    image_path: Path | None
+    cot_text: str | None
+    generated_ids: list[int] | None
+    width: int | None
+    height: int | None
+    kv_path: str | None
+    kv_reason: str | None
+    timings: dict[str, float] = field(default_factory=dict)
+    latents_path: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return (self.status or "").lower() in OK_STATUSES and not self.error
+
+    def time_per_image_s(self) -> float | None:
+        for key in TOTAL_TIMINGS:
+            if key in self.timings:
+                return self.timings[key]
+        parts = [self.timings[k] for k in STAGE_TIMINGS if k in self.timings]
+        return float(sum(parts)) if parts else None
+
+    def timing_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: self.timings.get(k) for k in STAGE_TIMINGS}
+        out["time_per_image_s"] = self.time_per_image_s()
+        out["generated_tokens"] = self.extra.get("generated_tokens")
+        out["kv_path"] = self.kv_path
+        out["kv_reason"] = self.kv_reason
+        return out
+
+
+def _num(v: Any) -> float | None:
+    if v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def _resolve_image(run: Path, shard_dir: Path, row: dict[str, Any]) -> Path | None:
+    """The image of a row: its image_key (relative to the run, the output root, or absolute),
+    falling back to the layout's `shards/{k}/images/{id}.png`."""
+    key = row.get("image_key")
+    candidates: list[Path] = []
+    if key:
+        key_path = Path(str(key).replace("file://", "", 1))
+        if key_path.is_absolute():
+            candidates.append(key_path)
+        candidates += [run / key_path, run.parent / key_path, shard_dir / key_path]
+    candidates.append(shard_dir / "images" / f"{row['id']}.png")
+    for c in candidates:
+        if c.is_file():
+            return c
+    return candidates[0] if candidates else None
+
+
+def _shard_dirs(run: Path) -> list[Path]:
+    shards = run / "shards"
+    if not shards.is_dir():
+        return []
+
+    def order(p: Path) -> tuple[int, str]:
+        return (int(p.name), p.name) if p.name.isdigit() else (1 << 30, p.name)
+
+    return sorted((p for p in shards.iterdir() if p.is_dir()), key=order)
+
+
+def load_run_rows(run_uri: str | Path) -> dict[str, RunRow]:
+    """All rows of a run by id (shard order). Raises FileNotFoundError when the run has no rows."""
+    run = local_path(run_uri)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory not found: {run}")
+    rows: dict[str, RunRow] = {}
+    found = False
+    for shard_dir in _shard_dirs(run):
+        table_path = shard_dir / "rows.parquet"
+        if not table_path.is_file():
+            continue
+        found = True
+        for rec in pq.read_table(table_path).to_pylist():
+            row_id = str(rec["id"])
+            timings = {k: f for k in rec if k.endswith("_s") and (f := _num(rec[k])) is not None}
+            ids = rec.get("generated_ids")
+            latents = shard_dir / "latents" / f"{row_id}.pt"
+            rows[row_id] = RunRow(
+                id=row_id,
+                shard=shard_dir.name,
+                status=str(rec.get("status") or ""),
+                error=str(rec.get("error") or ""),
+                image_path=_resolve_image(run, shard_dir, rec),
+                cot_text=rec.get("cot_text"),
+                generated_ids=[int(t) for t in ids] if ids is not None else None,
+                width=rec.get("width"),
+                height=rec.get("height"),
+                kv_path=rec.get("kv_path"),
+                kv_reason=rec.get("kv_reason"),
+                timings=timings,
+                latents_path=latents if latents.is_file() else None,
+                extra={"generated_tokens": rec.get("generated_tokens"), "prompt": rec.get("prompt")},
+            )
+    if not found:
+        raise FileNotFoundError(f"no shards/*/rows.parquet under {run}")
+    return rows
+
+
+def read_image(row: RunRow) -> Image.Image | None:
+    if row.image_path is None or not row.image_path.is_file():
+        return None
+    with Image.open(row.image_path) as im:
+        im.load()
+        return im.copy()
+
+
+def load_latents(row: RunRow) -> Any | None:
+    if row.latents_path is None:
+        return None
+    import torch
+
+    return torch.load(row.latents_path, map_location="cpu", weights_only=True)
