@@ -1,0 +1,257 @@
+"""Run every config of a sweep, evaluate each against its baseline, write the tables and report.
+
+Layout of one sweep, `{output}/{sweep_id}/`:
+```
+spec.yaml              the spec as given
+sweep.json             expanded configs, per-config run status, verdict
+runs/{config}/...      one ordinary run per config (run layout), plus metrics.parquet from evaluation
+sweep.parquet          one row per config: aggregates, thresholds, pass/fail
+rows.parquet           one row per (config, row id): all row metrics
+budget.parquet         the precision budget
+report.html            the self-contained report
+```
+Jobs run through `run_job_adapter` (the one seam to `pipeline.local.run_job`); tests pass their own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from components.evaluate.gates import records_to_table
+from components.evaluate.run import evaluate_run
+from components.sweep.budget import compute_budget
+from components.sweep.spec import REFERENCE, SweepConfig, SweepSpec
+
+# run_job keyword that makes a run take its AR outputs (and KV) from another run of the same output.
+AR_FROM_PARAM = "ar_from_run"
+# Passed only when run_job accepts them; anything else it does not accept is an error.
+OPTIONAL_PARAMS = frozenset({"save_latents", AR_FROM_PARAM})
+
+
+@dataclass
+class JobOutcome:
+    result: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    ar_pinned: bool = False
+
+
+JobRunner = Callable[[dict[str, Any], Path, str, "str | None"], JobOutcome]
+
+
+def run_job_adapter(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
+    """Run one config with `pipeline.local.run_job(**params, output=, run_id=)`."""
+    from pipeline.local import run_job  # the lead's local runner; imported late so tests need no engine
+
+    kwargs: dict[str, Any] = {k: v for k, v in params.items() if v is not None}
+    kwargs.update(output=str(output), run_id=run_id)
+    if ar_from:
+        kwargs[AR_FROM_PARAM] = ar_from
+    sig = inspect.signature(run_job)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    notes: list[str] = []
+    if not takes_any:
+        for key in list(kwargs):
+            if key in sig.parameters:
+                continue
+            if key in OPTIONAL_PARAMS:
+                kwargs.pop(key)
+                notes.append(f"run_job does not accept {key}; not passed")
+            else:
+                raise TypeError(f"pipeline.local.run_job does not accept {key!r} (sweep parameter)")
+    result = run_job(**kwargs)
+    return JobOutcome(result=result if isinstance(result, dict) else {}, notes=notes, ar_pinned=AR_FROM_PARAM in kwargs)
+
+
+@dataclass
+class SweepResult:
+    sweep_dir: Path
+    passed: bool
+    configs: list[dict[str, Any]]
+    failures: list[str]
+    report: Path | None
+
+
+def default_sweep_id(spec: SweepSpec) -> str:
+    return f"{spec.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+
+
+def _run_done(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").is_file()
+
+
+def run_sweep(
+    spec: SweepSpec,
+    output: str | Path,
+    sweep_id: str | None = None,
+    *,
+    runner: JobRunner | None = None,
+    resume: bool = False,
+    report: bool = True,
+    log: Callable[[str], None] = print,
+) -> SweepResult:
+    """Run, evaluate, tabulate and report a sweep. `resume` skips configs whose run finished."""
+    runner = runner or run_job_adapter  # looked up at call time so it can be swapped
+    sweep_id = sweep_id or default_sweep_id(spec)
+    sweep_dir = Path(output) / sweep_id
+    runs = sweep_dir / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / "spec.yaml").write_text(yaml.safe_dump(spec.raw, sort_keys=False))
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+    states: dict[str, dict[str, Any]] = {}
+    for cfg in spec.configs:
+        state: dict[str, Any] = {"run_error": "", "notes": [], "wall_s": None, "ar_pinned": False, "skipped": False}
+        states[cfg.name] = state
+        if cfg.ar_from and states.get(cfg.ar_from, {}).get("run_error"):
+            state["run_error"] = f"not run: {cfg.ar_from} failed"
+            continue
+        if resume and _run_done(runs / cfg.name):
+            state["skipped"] = True
+            state["notes"].append("resumed: existing run kept")
+            log(f"[{cfg.name}] already finished, kept")
+            continue
+        log(f"[{cfg.name}] running ({cfg.label()})")
+        t0 = time.perf_counter()
+        try:
+            outcome = runner(dict(cfg.params), runs, cfg.name, cfg.ar_from)
+            state["notes"] += outcome.notes
+            state["ar_pinned"] = outcome.ar_pinned
+        except Exception as exc:  # a failed config fails the sweep but the others still run
+            state["run_error"] = f"{type(exc).__name__}: {exc}"
+            log(f"[{cfg.name}] FAILED: {state['run_error']}")
+            (runs / f"{cfg.name}.error.txt").write_text(traceback.format_exc())
+        state["wall_s"] = time.perf_counter() - t0
+
+    config_records, row_records = evaluate_sweep(spec, runs, states, log)
+    budget = compute_budget(spec.configs, config_records, row_records)
+    failures = sweep_failures(config_records)
+    passed = not failures
+
+    pq.write_table(records_to_table([_flat(r) for r in config_records]), sweep_dir / "sweep.parquet")
+    pq.write_table(records_to_table(row_records) if row_records else pa.table({}), sweep_dir / "rows.parquet")
+    pq.write_table(records_to_table(budget) if budget else pa.table({}), sweep_dir / "budget.parquet")
+    meta = {
+        "sweep_id": sweep_id,
+        "name": spec.name,
+        "description": spec.description,
+        "reference": spec.reference,
+        "base": spec.base,
+        "thresholds": spec.thresholds.as_dict(),
+        "configs": [c.to_dict() for c in spec.configs],
+        "states": states,
+        "started": started,
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "passed": passed,
+        "failures": failures,
+    }
+    (sweep_dir / "sweep.json").write_text(json.dumps(meta, indent=2, default=str))
+
+    report_path = None
+    if report:
+        from components.report.render import write_report
+
+        report_path = write_report(sweep_dir)
+        log(f"report: {report_path}")
+    return SweepResult(sweep_dir, passed, config_records, failures, report_path)
+
+
+def evaluate_sweep(
+    spec: SweepSpec, runs: Path, states: dict[str, dict[str, Any]], log: Callable[[str], None] = print
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Evaluate each config against its baseline (the reference against itself, ungated)."""
+    config_records: list[dict[str, Any]] = []
+    row_records: list[dict[str, Any]] = []
+    for cfg in spec.configs:
+        st = states[cfg.name]
+        rec: dict[str, Any] = {
+            "config": cfg.name,
+            "role": cfg.role,
+            "baseline": cfg.baseline or cfg.name,
+            "label": cfg.label(),
+            "params": json.dumps(cfg.params, default=str),
+            "varied": json.dumps(cfg.varied, default=str),
+            "gated": cfg.gated,
+            "thresholds": json.dumps(cfg.thresholds.as_dict()) if cfg.thresholds else None,
+            "run_error": st["run_error"],
+            "eval_error": "",
+            "wall_s": st["wall_s"],
+            "ar_pinned": st["ar_pinned"],
+            "notes": "; ".join(st["notes"]),
+        }
+        baseline = cfg.baseline or cfg.name
+        if st["run_error"] or states.get(baseline, {}).get("run_error"):
+            rec["passed"] = False
+            rec["violations"] = [st["run_error"] or f"baseline {baseline} failed"]
+            config_records.append(rec)
+            continue
+        try:
+            rows, summary = evaluate_run(runs, baseline, cfg.name, cfg.thresholds if cfg.gated else None)
+        except (FileNotFoundError, ValueError) as exc:
+            rec["eval_error"] = str(exc)
+            rec["passed"] = False
+            rec["violations"] = [f"evaluation failed: {exc}"]
+            config_records.append(rec)
+            log(f"[{cfg.name}] evaluation FAILED: {exc}")
+            continue
+        summary.pop("run", None)
+        summary.pop("ref_run", None)
+        summary.pop("thresholds", None)
+        rec.update(summary)
+        if not cfg.gated:
+            # Ungated configs still fail when rows could not be compared or did not run.
+            rec["violations"] = [f"{r['id']}: {r['eval_status']}: {r['eval_error']}" for r in rows if r["eval_status"] != "ok"]
+            rec["passed"] = not rec["violations"]
+        for r in rows:
+            r["config"] = cfg.name
+            r["role"] = cfg.role
+        row_records += rows
+        config_records.append(rec)
+        verdict = "PASS" if rec["passed"] else "FAIL"
+        log(f"[{cfg.name}] {verdict} vs {baseline}: {rec['rows_compared']}/{rec['rows']} rows, PSNR min {rec['psnr_min']}")
+    return config_records, row_records
+
+
+def sweep_failures(config_records: list[dict[str, Any]]) -> list[str]:
+    """Why the sweep fails: any config with a failed run/evaluation, or a gated config over its
+    thresholds. The reference fails the sweep when its own rows failed."""
+    out = []
+    for r in config_records:
+        if not r.get("passed", False):
+            reasons = r.get("violations") or ["failed"]
+            shown = "; ".join(reasons[:3]) + (f" (+{len(reasons) - 3} more)" if len(reasons) > 3 else "")
+            out.append(f"{r['config']}: {shown}")
+    return out
+
+
+def _flat(rec: dict[str, Any]) -> dict[str, Any]:
+    out = dict(rec)
+    out["violations"] = list(out.get("violations") or [])
+    return out
+
+
+def expanded_grid_text(spec: SweepSpec) -> str:
+    rows = spec.grid_table()
+    cols = ["name", "role", "vs", "varied", "ar_from", "gates"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
+    lines.append("  ".join("-" * widths[c] for c in cols))
+    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "AR_FROM_PARAM", "JobOutcome", "JobRunner", "SweepConfig", "SweepResult", "REFERENCE",
+    "expanded_grid_text", "run_job_adapter", "run_sweep", "sweep_failures",
+]  # fmt: skip

@@ -1,0 +1,345 @@
+"""Sweep spec: a base job, a grid over its parameters, the reference, thresholds and the
+precision-budget configs. Loaded from YAML (see examples/sweeps/tiny.yaml):
+
+```yaml
+name: tiny
+base: {dataset: ..., kind: edit, model: tiny, num_shards: 2, steps: 8, guidance: 5.0, seed: 42,
+       kv_reuse: true, temperature: 0.7}
+grid: {kv_reuse: [true, false], steps: [8, 4]}
+reference: {kv_reuse: true, steps: 8}        # grid values, or a config name
+thresholds: {psnr_min: 30, ssim_min: 0.97, mean_abs_max: 0.03, p99_abs_max: 0.30}
+overrides:                                   # per-config thresholds (None disables a gate)
+  - match: {steps: 4}
+    thresholds: {psnr_min: 12}
+configs:                                     # optional extra configs, by name
+  - {name: greedy, params: {temperature: 0.0}}
+precision_budget: {determinism: true, reuse_drift: true, ar_diversity: {seed: 43}, gate: false}
+```
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from components.evaluate.gates import Thresholds
+
+# Parameters of pipeline.local.run_job that a spec may set (output and run_id come from the sweep).
+JOB_PARAMS: tuple[str, ...] = (
+    "dataset", "kind", "num_shards", "model", "weights", "kv_store", "steps", "guidance", "seed",
+    "kv_reuse", "dtype", "temperature", "top_k", "top_p", "bot_task", "save_latents",
+)  # fmt: skip
+GRID_PARAMS: tuple[str, ...] = (
+    "kv_reuse", "steps", "guidance", "dtype", "temperature", "seed", "top_k", "top_p", "bot_task",
+)  # fmt: skip
+DEFAULT_BASE: dict[str, Any] = {"kind": "edit", "model": "tiny", "num_shards": 1}
+
+REFERENCE = "reference"
+GRID = "grid"
+EXTRA = "extra"
+DETERMINISM = "determinism"
+REUSE_DRIFT = "reuse_drift"
+AR_DIVERSITY = "ar_diversity"
+BUDGET_ROLES = (DETERMINISM, REUSE_DRIFT, AR_DIVERSITY)
+
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8": "fp8"}
+
+
+class SpecError(ValueError):
+    """The sweep spec is invalid (message says where)."""
+
+
+@dataclass
+class SweepConfig:
+    """One job of the sweep; `baseline` is the config it is evaluated against."""
+
+    name: str
+    params: dict[str, Any]
+    role: str
+    baseline: str | None
+    thresholds: Thresholds | None
+    varied: dict[str, Any] = field(default_factory=dict)
+    ar_from: str | None = None  # run whose AR outputs this config reuses (AR tokens held fixed)
+
+    @property
+    def gated(self) -> bool:
+        return self.thresholds is not None and self.thresholds.active
+
+    def label(self) -> str:
+        """Short human description of what differs from the base job."""
+        if not self.varied:
+            return "base job"
+        return ", ".join(f"{k}={_fmt_value(v)}" for k, v in self.varied.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "params": self.params,
+            "role": self.role,
+            "baseline": self.baseline,
+            "thresholds": self.thresholds.as_dict() if self.thresholds else None,
+            "varied": self.varied,
+            "ar_from": self.ar_from,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SweepConfig":
+        th = d.get("thresholds")
+        return cls(
+            name=d["name"],
+            params=dict(d["params"]),
+            role=d["role"],
+            baseline=d.get("baseline"),
+            thresholds=Thresholds.from_dict(th) if th is not None else None,
+            varied=dict(d.get("varied") or {}),
+            ar_from=d.get("ar_from"),
+        )
+
+
+@dataclass
+class SweepSpec:
+    name: str
+    description: str
+    base: dict[str, Any]
+    configs: list[SweepConfig]
+    reference: str
+    thresholds: Thresholds
+    raw: dict[str, Any]
+
+    def config(self, name: str) -> SweepConfig:
+        for c in self.configs:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def grid_table(self) -> list[dict[str, Any]]:
+        """The expanded configs as printable rows (for --dry-run)."""
+        return [
+            {
+                "name": c.name,
+                "role": c.role,
+                "vs": c.baseline or "–",
+                "varied": c.label(),
+                "ar_from": c.ar_from or "",
+                "gates": c.thresholds.describe() if c.gated else "not gated",
+            }
+            for c in self.configs
+        ]
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(v)
+
+
+def _name_part(key: str, value: Any) -> str:
+    if key == "kv_reuse":
+        return "reuse" if value else "recompute"
+    if key == "dtype":
+        return _DTYPE_SHORT.get(str(value), str(value))
+    prefix = {"steps": "s", "guidance": "g", "temperature": "t", "seed": "seed", "top_k": "k", "top_p": "p"}
+    if key in prefix:
+        return f"{prefix[key]}{value:g}" if isinstance(value, float) else f"{prefix[key]}{value}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value))
+
+
+def config_name(varied: dict[str, Any]) -> str:
+    return "-".join(_name_part(k, v) for k, v in varied.items()) or "base"
+
+
+def _check_keys(where: str, data: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = set(data) - set(allowed)
+    if unknown:
+        raise SpecError(f"{where}: unknown parameter(s) {sorted(unknown)}; allowed: {list(allowed)}")
+
+
+def _thresholds(where: str, data: Any) -> Thresholds:
+    if data is None:
+        return Thresholds()
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: expected a mapping of thresholds")
+    try:
+        return Thresholds.from_dict(data)
+    except (ValueError, TypeError) as exc:
+        raise SpecError(f"{where}: {exc}") from exc
+
+
+def _apply_overrides(cfg: SweepConfig, overrides: list[dict[str, Any]]) -> None:
+    for i, ov in enumerate(overrides):
+        name, match = ov.get("name"), ov.get("match")
+        hit = (name is not None and name == cfg.name) or (
+            match is not None and all(cfg.params.get(k) == v for k, v in match.items())
+        )
+        if not hit:
+            continue
+        if ov.get("gate") is False:
+            cfg.thresholds = None
+            continue
+        base = cfg.thresholds or Thresholds()
+        try:
+            cfg.thresholds = base.merged(ov.get("thresholds") or {})
+        except (ValueError, TypeError) as exc:
+            raise SpecError(f"overrides[{i}]: {exc}") from exc
+
+
+def parse_spec(data: dict[str, Any]) -> SweepSpec:
+    """Validate a spec mapping and expand it into configs (reference first)."""
+    if not isinstance(data, dict):
+        raise SpecError("spec must be a mapping")
+    known_top = {"name", "description", "base", "grid", "reference", "thresholds", "overrides",
+                 "configs", "precision_budget"}  # fmt: skip
+    unknown = set(data) - known_top
+    if unknown:
+        raise SpecError(f"unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(known_top)}")
+    name = str(data.get("name") or "sweep")
+    if not _NAME_OK.match(name):
+        raise SpecError(f"name {name!r}: use letters, digits, '.', '_' or '-'")
+    base = {**DEFAULT_BASE, **(data.get("base") or {})}
+    _check_keys("base", base, JOB_PARAMS)
+    if "dataset" not in base:
+        raise SpecError("base.dataset is required")
+
+    grid = data.get("grid") or {}
+    if not isinstance(grid, dict):
+        raise SpecError("grid: expected a mapping of parameter -> list of values")
+    _check_keys("grid", grid, GRID_PARAMS)
+    for k, vals in grid.items():
+        if not isinstance(vals, list) or not vals:
+            raise SpecError(f"grid.{k}: expected a non-empty list")
+        if len(set(map(json.dumps, vals))) != len(vals):
+            raise SpecError(f"grid.{k}: duplicate values {vals}")
+
+    thresholds = _thresholds("thresholds", data.get("thresholds"))
+    overrides = data.get("overrides") or []
+    if not isinstance(overrides, list):
+        raise SpecError("overrides: expected a list")
+    for i, ov in enumerate(overrides):
+        if not isinstance(ov, dict) or not ({"name", "match"} & set(ov)):
+            raise SpecError(f"overrides[{i}]: needs 'name' or 'match'")
+        if ov.get("match") is not None:
+            _check_keys(f"overrides[{i}].match", ov["match"], JOB_PARAMS)
+
+    configs: list[SweepConfig] = []
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
+        varied = dict(zip(keys, values))
+        configs.append(SweepConfig(config_name(varied), {**base, **varied}, GRID, None, thresholds, varied))
+    if not configs:
+        configs.append(SweepConfig("base", dict(base), GRID, None, thresholds, {}))
+    for i, extra in enumerate(data.get("configs") or []):
+        if not isinstance(extra, dict) or "name" not in extra:
+            raise SpecError(f"configs[{i}]: needs a name")
+        params = extra.get("params") or {}
+        _check_keys(f"configs[{i}].params", params, JOB_PARAMS)
+        th = thresholds.merged(extra["thresholds"]) if extra.get("thresholds") else thresholds
+        configs.append(SweepConfig(str(extra["name"]), {**base, **params}, EXTRA, None, th, dict(params)))
+
+    ref = _find_reference(data.get("reference"), configs)
+    ref.role = REFERENCE
+    ref.thresholds = None
+    for c in configs:
+        if c is not ref:
+            c.baseline = ref.name
+            _apply_overrides(c, overrides)
+    configs.remove(ref)
+    configs.insert(0, ref)
+    configs += _budget_configs(data.get("precision_budget"), ref, thresholds, overrides)
+
+    names = [c.name for c in configs]
+    for n in names:
+        if not _NAME_OK.match(n):
+            raise SpecError(f"config name {n!r}: use letters, digits, '.', '_' or '-'")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise SpecError(f"duplicate config name(s) {dupes}")
+    return SweepSpec(name, str(data.get("description") or ""), base, configs, ref.name, thresholds, data)
+
+
+def _find_reference(ref: Any, configs: list[SweepConfig]) -> SweepConfig:
+    if ref is None:
+        if len(configs) == 1:
+            return configs[0]
+        raise SpecError("reference: required when the sweep has more than one config")
+    if isinstance(ref, str):
+        for c in configs:
+            if c.name == ref:
+                return c
+        raise SpecError(f"reference {ref!r}: no such config; have {[c.name for c in configs]}")
+    if isinstance(ref, dict):
+        hits = [c for c in configs if all(c.params.get(k) == v for k, v in ref.items())]
+        if len(hits) != 1:
+            raise SpecError(f"reference {ref}: matches {len(hits)} configs, need exactly one")
+        return hits[0]
+    raise SpecError("reference: a config name or a mapping of parameter values")
+
+
+def _budget_configs(
+    data: Any, ref: SweepConfig, thresholds: Thresholds, overrides: list[dict[str, Any]]
+) -> list[SweepConfig]:
+    """determinism (the reference re-run), reuse_drift (kv_reuse toggled, AR outputs taken from the
+    reference run) and ar_diversity (another seed). Not gated unless `gate: true`."""
+    if data is None or data is False:
+        return []
+    if data is True:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError("precision_budget: expected true/false or a mapping")
+    unknown = set(data) - {"determinism", "reuse_drift", "ar_diversity", "gate"}
+    if unknown:
+        raise SpecError(f"precision_budget: unknown key(s) {sorted(unknown)}")
+    gate = bool(data.get("gate", False))
+    th = thresholds if gate else None
+    out: list[SweepConfig] = []
+    if data.get("determinism", True):
+        out.append(SweepConfig("determinism", dict(ref.params), DETERMINISM, ref.name, th, {"rerun": "reference"}))
+    if data.get("reuse_drift", True):
+        reuse = not bool(ref.params.get("kv_reuse", True))
+        out.append(
+            SweepConfig(
+                "reuse-drift", {**ref.params, "kv_reuse": reuse}, REUSE_DRIFT, ref.name, th,
+                {"kv_reuse": reuse, "ar_tokens": "from reference"}, ar_from=ref.name,
+            )
+        )  # fmt: skip
+    div = data.get("ar_diversity", True)
+    if div:
+        seed = ref.params.get("seed", 0)
+        new_seed = div.get("seed") if isinstance(div, dict) and "seed" in div else int(seed or 0) + 1
+        if new_seed == seed:
+            raise SpecError("precision_budget.ar_diversity.seed must differ from the reference seed")
+        out.append(SweepConfig("ar-diversity", {**ref.params, "seed": new_seed}, AR_DIVERSITY, ref.name, th, {"seed": new_seed}))
+    if gate:
+        for c in out:
+            _apply_overrides(c, overrides)
+    return out
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{p}: invalid YAML: {exc}") from exc
+    spec = parse_spec(data)
+    _resolve_dataset(spec, p.parent)
+    return spec
+
+
+def _resolve_dataset(spec: SweepSpec, spec_dir: Path) -> None:
+    """A relative local dataset path is taken relative to the spec file when it exists there."""
+    ds = str(spec.base["dataset"])
+    if "://" in ds or Path(ds).is_absolute() or Path(ds).exists():
+        return
+    candidate = (spec_dir / ds).resolve()
+    if candidate.exists():
+        spec.base["dataset"] = str(candidate)
+        for c in spec.configs:
+            if c.params.get("dataset") == ds:
+                c.params["dataset"] = str(candidate)
