@@ -1,0 +1,152 @@
+"""Images for the report: inline PNG data URIs, |Δ| heatmaps, and matplotlib plots."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib import colormaps  # noqa: E402
+from matplotlib.colors import PowerNorm  # noqa: E402
+from PIL import Image  # noqa: E402
+
+HEATMAP_CMAP = "magma"
+HEATMAP_VMAX = 0.25  # |Δ| (pixels in [0, 1]) at the top of the colour scale; larger values saturate
+HEATMAP_GAMMA = 0.5  # square-root scale so small drifts stay visible
+THUMB_MAX = 320  # longest side of inlined images, in pixels
+
+PASS_COLOR = "#1a7f37"
+FAIL_COLOR = "#cf222e"
+INFO_COLOR = "#0969da"
+REF_COLOR = "#57606a"
+
+
+def png_data_uri(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def thumbnail(image: Image.Image, max_side: int = THUMB_MAX) -> Image.Image:
+    image = image.convert("RGB")
+    w, h = image.size
+    scale = max_side / max(w, h)
+    if scale >= 1:
+        return image
+    return image.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.LANCZOS)
+
+
+def _norm() -> PowerNorm:
+    return PowerNorm(gamma=HEATMAP_GAMMA, vmin=0.0, vmax=HEATMAP_VMAX, clip=True)
+
+
+def heatmap_image(diff: np.ndarray) -> Image.Image:
+    """An H x W |Δ| map coloured with the report's fixed scale (comparable across configs)."""
+    rgba = colormaps[HEATMAP_CMAP](_norm()(diff))
+    return Image.fromarray((rgba[:, :, :3] * 255).round().astype(np.uint8), "RGB")
+
+
+def colorbar_uri() -> str:
+    fig, ax = plt.subplots(figsize=(4.2, 0.55), dpi=120)
+    fig.subplots_adjust(left=0.04, right=0.96, bottom=0.5, top=0.95)
+    sm = matplotlib.cm.ScalarMappable(norm=_norm(), cmap=HEATMAP_CMAP)
+    cb = fig.colorbar(sm, cax=ax, orientation="horizontal")
+    ticks = [0, 1 / 255, 4 / 255, 16 / 255, 0.125, HEATMAP_VMAX]
+    cb.set_ticks(ticks)
+    cb.set_ticklabels(["0", "1/255", "4/255", "16/255", "0.125", f"≥{HEATMAP_VMAX:g}"])
+    cb.ax.tick_params(labelsize=7, length=2)
+    cb.outline.set_visible(False)
+    return _fig_uri(fig)
+
+
+def _fig_uri(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=fig.dpi, facecolor="white")
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _style(ax: Any) -> None:
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.spines["left"].set_color("#8c959f")
+    ax.spines["bottom"].set_color("#8c959f")
+    ax.tick_params(colors="#424a53", labelsize=8)
+    ax.grid(True, color="#eaeef2", linewidth=0.8)
+    ax.set_axisbelow(True)
+
+
+def status_color(status: str) -> str:
+    return {"PASS": PASS_COLOR, "FAIL": FAIL_COLOR, "REF": REF_COLOR}.get(status, INFO_COLOR)
+
+
+def speed_fidelity_uri(points: list[dict[str, Any]], psnr_min: float | None) -> str | None:
+    """Scatter of time per image (x) against mean PSNR vs the reference (y), one point per config.
+
+    points: name, time_s, psnr, status. Identical configs (PSNR inf) sit on a marked top line.
+    """
+    pts = [p for p in points if p.get("time_s") is not None and p.get("psnr") is not None]
+    if not pts:
+        return None
+    finite = [p["psnr"] for p in pts if math.isfinite(p["psnr"])]
+    top = (max(finite + ([psnr_min] if psnr_min else [])) + 6) if finite else (psnr_min or 40) + 10
+    fig, ax = plt.subplots(figsize=(6.4, 3.9), dpi=120)
+    _style(ax)
+    ax.axhline(top, color="#8c959f", linestyle=":", linewidth=1)
+    ax.text(0.005, top, " identical (PSNR ∞)", transform=ax.get_yaxis_transform(), va="bottom",
+            fontsize=7, color="#57606a")  # fmt: skip
+    if psnr_min is not None:
+        ax.axhline(psnr_min, color=FAIL_COLOR, linestyle="--", linewidth=1, alpha=0.7)
+        ax.text(0.995, psnr_min, f"gate {psnr_min:g} dB ", transform=ax.get_yaxis_transform(),
+                ha="right", va="bottom", fontsize=7, color=FAIL_COLOR)  # fmt: skip
+    labels: dict[tuple[float, float], list[str]] = {}
+    for p in pts:
+        y = p["psnr"] if math.isfinite(p["psnr"]) else top
+        marker = "*" if p["status"] == "REF" else "o"
+        ax.scatter([p["time_s"]], [y], s=130 if marker == "*" else 55, marker=marker,
+                   color=status_color(p["status"]), edgecolor="white", linewidth=0.8,
+                   zorder=4 if marker == "*" else 3)  # fmt: skip
+        labels.setdefault((round(p["time_s"], 4), round(y, 2)), []).append(p["name"])
+    for (x, y), names in labels.items():  # configs on the same spot share one label
+        ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(7, 4),
+                    fontsize=7.5, color="#24292f")  # fmt: skip
+    xs = [p["time_s"] for p in pts]
+    lo, hi = min(xs), max(xs)
+    pad = (hi - lo) * 0.15 or max(hi * 0.15, 1e-3)
+    ax.set_xlim(max(0.0, lo - pad), hi + pad * 2.5)
+    ys = [p["psnr"] for p in pts if math.isfinite(p["psnr"])] + [top]
+    ax.set_ylim(min(ys + ([psnr_min] if psnr_min else [])) - 4, top + 3)
+    ax.set_xlabel("time per image (s, AR + DiT + VAE)", fontsize=8.5, color="#24292f")
+    ax.set_ylabel("PSNR vs reference (dB, mean)", fontsize=8.5, color="#24292f")
+    fig.tight_layout()
+    return _fig_uri(fig)
+
+
+def delta_profile_uri(profiles: list[dict[str, Any]]) -> str | None:
+    """|Δ| at p50 / p90 / p99 / p99.9 / max (worst row) per config, log scale."""
+    profiles = [p for p in profiles if p.get("values")]
+    if not profiles:
+        return None
+    labels = ["p50", "p90", "p99", "p99.9", "max"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.9), dpi=120)
+    _style(ax)
+    floor = 1 / 2550
+    palette = plt.get_cmap("tab10")
+    for i, p in enumerate(profiles):
+        vals = [max(floor, v if v is not None else floor) for v in p["values"]]
+        ax.plot(labels, vals, marker="o", markersize=4, linewidth=1.6, color=palette(i % 10), label=p["name"])
+    for level, name in ((1 / 255, "1/255"), (16 / 255, "16/255")):
+        ax.axhline(level, color="#8c959f", linestyle=":", linewidth=0.9)
+        ax.text(0.005, level, f" {name}", transform=ax.get_yaxis_transform(), va="bottom", fontsize=7, color="#57606a")
+    ax.set_yscale("log")
+    ax.set_ylim(floor * 0.8, 1.2)
+    ax.set_ylabel("|Δ| (pixels in [0, 1], worst row)", fontsize=8.5, color="#24292f")
+    ax.legend(fontsize=7, frameon=False, loc="upper left", ncol=2)
+    fig.tight_layout()
+    return _fig_uri(fig)

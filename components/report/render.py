@@ -1,0 +1,354 @@
+"""Build the self-contained HTML report of a sweep directory (see components/sweep/runner.py).
+
+Everything is inlined: images and heatmaps as base64 PNG, plots as matplotlib PNG; no scripts and
+no network resources.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pyarrow.parquet as pq
+from PIL import Image
+
+from components.evaluate.gates import Thresholds, fmt_db, row_violations
+from components.evaluate.metrics import OK, ImageMismatchError, abs_diff_map, percentile_key
+from components.evaluate.runio import load_run_rows
+from components.report import plots
+from components.report.template import TEMPLATE
+
+ROLE_LABELS = {
+    "reference": "reference",
+    "determinism": "budget: determinism",
+    "reuse_drift": "budget: reuse drift",
+    "ar_diversity": "budget: AR diversity",
+    "extra": "",
+    "grid": "",
+}
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    table = pq.read_table(path)
+    return table.to_pylist() if table.num_columns else []
+
+
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def _f(v: Any, digits: int = 4) -> str:
+    f = _num(v)
+    return "–" if f is None else f"{f:.{digits}f}"
+
+
+def _db(v: Any) -> str:
+    f = _num(v)
+    return "–" if f is None else (fmt_db(f) + ("" if math.isinf(f) else " dB"))
+
+
+def _secs(v: Any) -> str:
+    f = _num(v)
+    if f is None:
+        return "–"
+    return f"{f * 1000:.0f} ms" if f < 1 else f"{f:.2f} s"
+
+
+def _status(rec: dict[str, Any]) -> str:
+    if not rec.get("passed", False):
+        return "FAIL"
+    if rec.get("role") == "reference":
+        return "REF"
+    return "PASS" if rec.get("gated") else "INFO"
+
+
+def _cell_classes(rec: dict[str, Any], th: Thresholds | None) -> dict[str, str]:
+    cls = {"rows": "", "psnr": "", "ssim": "", "mean_abs": "", "p99": ""}
+    if rec.get("rows_failed_eval") or rec.get("run_error") or rec.get("eval_error"):
+        cls["rows"] = "bad"
+    if th is None or not rec.get("gated") or not rec.get("rows_compared"):
+        return cls
+    checks = (
+        ("psnr", "psnr_min", th.psnr_min, lambda v, t: v >= t),
+        ("ssim", "ssim_min", th.ssim_min, lambda v, t: v >= t),
+        ("mean_abs", "mean_abs_max", th.mean_abs_max, lambda v, t: v <= t),
+        ("p99", "p99_abs_max", th.p99_abs_max, lambda v, t: v <= t),
+    )
+    for key, col, t, ok in checks:
+        v = _num(rec.get(col))
+        if t is not None and v is not None:
+            cls[key] = "good" if ok(v, t) else "bad"
+    return cls
+
+
+def _thresholds(rec: dict[str, Any]) -> Thresholds | None:
+    raw = rec.get("thresholds")
+    return Thresholds.from_dict(json.loads(raw)) if raw else None
+
+
+def _find_image(stored: str | None, runs: Path, config: str, row_id: str) -> Path | None:
+    if stored and Path(stored).is_file():
+        return Path(stored)
+    hits = sorted((runs / config / "shards").glob(f"*/images/{row_id}.png"))
+    return hits[0] if hits else None
+
+
+def _open(path: Path | None) -> Image.Image | None:
+    if path is None or not path.is_file():
+        return None
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+def _truncate(text: str | None, n: int = 140) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
+    meta_path = sweep_dir / "sweep.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{sweep_dir} is not a sweep directory (no sweep.json); run `ardit sweep` first")
+    meta = json.loads(meta_path.read_text())
+    configs = _read(sweep_dir / "sweep.parquet")
+    rows = _read(sweep_dir / "rows.parquet")
+    budget = _read(sweep_dir / "budget.parquet")
+    runs = sweep_dir / "runs"
+    ref_name = meta["reference"]
+    ref_rec = next((c for c in configs if c["config"] == ref_name), {})
+    ref_time = _num(ref_rec.get("time_per_image_s_mean"))
+
+    config_rows = []
+    speed_points = []
+    profiles = []
+    for rec in configs:
+        status = _status(rec)
+        th = _thresholds(rec)
+        t = _num(rec.get("time_per_image_s_mean"))
+        n = rec.get("rows") or 0
+        config_rows.append(
+            {
+                "name": rec["config"],
+                "label": rec.get("label") or "",
+                "role_label": ROLE_LABELS.get(rec.get("role", ""), ""),
+                "status": status,
+                "status_title": "; ".join(rec.get("violations") or []) or ("not gated" if not rec.get("gated") else "all rows pass"),
+                "rows_ok": f"{rec.get('rows_compared', 0)}/{n}" if not rec.get("run_error") else "run failed",
+                "psnr_mean": _db(rec.get("psnr_mean")),
+                "psnr_min": _db(rec.get("psnr_min")),
+                "ssim_min": _f(rec.get("ssim_min")),
+                "mean_abs_max": _f(rec.get("mean_abs_max")),
+                "p99_abs_max": _f(rec.get("p99_abs_max")),
+                "bitwise": f"{rec.get('bitwise_rows', 0)}/{n}" if n else "–",
+                "cot": _f(rec.get("cot_similarity_mean"), 3),
+                "time": _secs(t),
+                "speedup": f"{ref_time / t:.2f}×" if ref_time and t else "–",
+                "cls": _cell_classes(rec, th),
+            }
+        )
+        psnr = _num(rec.get("psnr_mean"))
+        if t is not None and psnr is not None:
+            speed_points.append({"name": rec["config"], "time_s": t, "psnr": psnr, "status": status})
+        if rec.get("role") != "reference":
+            crow = [r for r in rows if r.get("config") == rec["config"] and r.get("eval_status") == OK]
+            if crow:
+                worst = max(crow, key=lambda r: _num(r.get("mean_abs")) or 0.0)
+                keys = [percentile_key(q) for q in (50, 90, 99, 99.9)] + ["max_abs"]
+                profiles.append({"name": rec["config"], "values": [_num(worst.get(k)) for k in keys]})
+
+    # Row grids: rows with failures first, then by worst PSNR over non-reference configs.
+    ref_rows_meta: dict[str, Any] = {}
+    try:
+        ref_rows_meta = load_run_rows(runs / ref_name)
+    except (FileNotFoundError, ValueError):
+        pass
+    others = [c["config"] for c in configs if c["config"] != ref_name]
+    gated_names = [c["config"] for c in configs if c.get("gated")]
+    ranking = gated_names or others  # rows are ranked by the configs that gate the sweep
+    by_row: dict[str, dict[str, dict[str, Any]]] = {}
+    order: list[str] = []
+    for r in rows:
+        rid = str(r["id"])
+        if rid not in by_row:
+            by_row[rid] = {}
+            order.append(rid)
+        by_row[rid][r["config"]] = r
+
+    def badness(rid: str) -> tuple[int, float]:
+        cells = [by_row[rid].get(c) for c in ranking]
+        failed = sum(1 for c in cells if c is None or c.get("eval_status") != OK)
+        psnrs = [_num(c.get("psnr")) for c in cells if c and c.get("eval_status") == OK]
+        finite = [p for p in psnrs if p is not None and math.isfinite(p)]
+        return (-failed, min(finite) if finite else math.inf)
+
+    ranked = sorted(order, key=badness)
+    cfg_th = {c["config"]: _thresholds(c) if c.get("gated") else None for c in configs}
+    row_ctx = []
+    for rid in ranked[:max_rows]:
+        row_ctx.append(_row_context(rid, by_row[rid], ref_name, others, ranking, runs, cfg_th, ref_rows_meta.get(rid)))
+
+    gated = [c for c in configs if c.get("gated")]
+    th_all = Thresholds.from_dict(meta.get("thresholds") or {})
+    overrides = []
+    for c in configs:
+        th = _thresholds(c)
+        if c.get("gated") and th and th != th_all:
+            overrides.append(f"{c['config']}: {th.describe()}")
+    any_small = any(r.get("small") for r in row_ctx)
+    return {
+        "meta": meta,
+        "verdict": "PASS" if meta.get("passed") else "FAIL",
+        "configs": config_rows,
+        "n_gated": len(gated),
+        "n_gated_pass": sum(1 for c in gated if c.get("passed")),
+        "n_rows": len(order),
+        "shown_rows": len(row_ctx),
+        "gates_text": th_all.describe(),
+        "overrides_text": "; ".join(overrides),
+        "failures": meta.get("failures") or [],
+        "speed_plot": plots.speed_fidelity_uri(speed_points, th_all.psnr_min),
+        "delta_plot": plots.delta_profile_uri(profiles),
+        "budget": [_budget_row(b) for b in budget],
+        "rows": row_ctx,
+        "colorbar": plots.colorbar_uri(),
+        "n_cells": len(others) + 1,
+        "pixelated": any_small,
+        "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "sweep_dir": str(sweep_dir),
+    }
+
+
+def _budget_row(b: dict[str, Any]) -> dict[str, Any]:
+    used, rows = b.get("rows_used") or 0, b.get("rows")
+    token_rows = b.get("token_rows") or 0
+    div = _num(b.get("first_divergence_median"))
+    return {
+        "measure": b.get("measure"),
+        "config": b.get("config"),
+        "rows": f"{used}/{rows}" if rows else "–",
+        "bitwise": f"{b.get('bitwise_rows', 0)}/{used}" if used else "–",
+        "psnr_mean": _db(b.get("psnr_mean")),
+        "psnr_min": _db(b.get("psnr_min")),
+        "ssim_mean": _f(b.get("ssim_mean")),
+        "mean_abs": _f(b.get("mean_abs_mean")),
+        "p99": _f(b.get("p99_abs_max")),
+        "cot": _f(b.get("cot_similarity_mean"), 3),
+        "tokens": f"{b.get('tokens_identical_rows', 0)}/{token_rows}" if token_rows else "–",
+        "div": "none" if token_rows and div is None else ("–" if div is None else f"token {div:.0f}"),
+        "latent": _f(b.get("latent_cos_dist_mean"), 5),
+        "note": b.get("note") or "",
+    }
+
+
+def _row_context(
+    rid: str,
+    cells: dict[str, dict[str, Any]],
+    ref_name: str,
+    others: list[str],
+    ranking: list[str],
+    runs: Path,
+    cfg_th: dict[str, Thresholds | None],
+    ref_meta: Any,
+) -> dict[str, Any]:
+    ref_rec = cells.get(ref_name, {})
+    ref_path = _find_image(ref_rec.get("image_path") or ref_rec.get("ref_image_path"), runs, ref_name, rid)
+    ref_img = _open(ref_path)
+    ctx: dict[str, Any] = {
+        "id": rid, "cells": [], "ref_img": None, "ref_error": "", "ref_info": "", "cot": "", "prompt": "", "small": False,
+    }  # fmt: skip
+    if ref_img is None:
+        ctx["ref_error"] = ref_rec.get("eval_error") or "reference image not found"
+    else:
+        ctx["ref_img"] = plots.png_data_uri(plots.thumbnail(ref_img))
+        ctx["small"] = max(ref_img.size) < 200
+        t = _num(ref_rec.get("time_per_image_s"))
+        ctx["ref_info"] = f"{ref_img.size[0]}×{ref_img.size[1]}" + (f" · {_secs(t)}" if t is not None else "")
+    if ref_meta is not None:
+        ctx["cot"] = ref_meta.cot_text or ""
+        ctx["prompt"] = _truncate(ref_meta.extra.get("prompt"))
+    worst_name, worst_psnr = "", math.inf
+    for name in others:
+        rec = cells.get(name)
+        cell: dict[str, Any] = {"config": name, "bitwise": False, "badge": "", "error": ""}
+        ctx["cells"].append(cell)
+        if rec is None:
+            cell["error"] = "no metrics for this row (run or evaluation failed)"
+            cell["badge"] = "FAIL"
+            continue
+        if rec.get("eval_status") != OK:
+            cell["error"] = f"{rec.get('eval_status')}: {rec.get('eval_error')}"
+            cell["badge"] = "FAIL"
+            continue
+        path = _find_image(rec.get("image_path"), runs, name, rid)
+        img = _open(path)
+        if img is None or ref_img is None:
+            cell["error"] = "image file not found for the report"
+            continue
+        try:
+            heat = plots.heatmap_image(abs_diff_map(ref_img, img))
+        except ImageMismatchError as exc:
+            cell["error"] = str(exc)
+            continue
+        th = cfg_th.get(name)
+        psnr, ssim = _num(rec.get("psnr")), _num(rec.get("ssim"))
+        cell.update(
+            img=plots.png_data_uri(plots.thumbnail(img)),
+            heat=plots.png_data_uri(plots.thumbnail(heat)),
+            psnr=_db(psnr),
+            ssim=_f(ssim, 3),
+            mean_abs=_f(rec.get("mean_abs"), 3),
+            p99=_f(rec.get("p99_abs"), 3),
+            bitwise=bool(rec.get("bitwise")),
+            psnr_cls="bad" if th and th.psnr_min is not None and psnr is not None and psnr < th.psnr_min else "",
+            ssim_cls="bad" if th and th.ssim_min is not None and ssim is not None and ssim < th.ssim_min else "",
+        )
+        extra = []
+        cot = _num(rec.get("cot_similarity"))
+        if cot is not None and cot < 1:
+            extra.append(f"CoT sim {cot:.3f}")
+        if rec.get("tokens_identical") is False and rec.get("first_divergence") is not None:
+            extra.append(f"tokens diverge @{rec['first_divergence']}")
+        if rec.get("kv_path"):
+            extra.append(f"kv {rec['kv_path']}")
+        t = _num(rec.get("time_per_image_s"))
+        if t is not None:
+            extra.append(_secs(t))
+        cell["extra"] = " · ".join(extra)
+        if th is not None and th.active:
+            if not cell["bitwise"]:
+                cell["badge"] = "FAIL" if row_violations(rec, th) else "PASS"
+        if name in ranking and psnr is not None and psnr < worst_psnr:
+            worst_name, worst_psnr = name, psnr
+    failed = [c["config"] for c in ctx["cells"] if c.get("error")]
+    if failed:
+        ctx["worst"] = "failed in " + ", ".join(failed)
+    elif worst_name:
+        ctx["worst"] = f"{_db(worst_psnr)} ({worst_name})"
+    else:
+        ctx["worst"] = "identical to the reference"
+    return ctx
+
+
+def render_report(sweep_dir: str | Path, max_rows: int = 24) -> str:
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    return env.from_string(TEMPLATE).render(**build_context(Path(sweep_dir), max_rows))
+
+
+def write_report(sweep_dir: str | Path, out: str | Path | None = None, *, max_rows: int = 24) -> Path:
+    sweep_dir = Path(sweep_dir)
+    html = render_report(sweep_dir, max_rows)
+    path = Path(out) if out else sweep_dir / "report.html"
+    path.write_text(html, encoding="utf-8")
+    return path

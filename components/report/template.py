@@ -1,0 +1,230 @@
+"""The report's Jinja2 template (kept in Python so it ships with the package)."""
+
+TEMPLATE = r"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>ardit sweep · {{ meta.name }} · {{ verdict }}</title>
+<link rel="icon" href="data:,">
+<style>
+:root {
+  --fg: #1f2328; --muted: #59636e; --line: #d1d9e0; --soft: #f6f8fa; --card: #ffffff;
+  --pass: #1a7f37; --pass-bg: #dafbe1; --fail: #cf222e; --fail-bg: #ffebe9;
+  --info: #0969da; --info-bg: #ddf4ff; --ref: #59636e; --ref-bg: #eff2f5;
+}
+* { box-sizing: border-box; }
+body { margin: 0; background: #f3f5f8; color: var(--fg);
+  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; }
+main { max-width: 1400px; margin: 0 auto; padding: 28px 28px 60px; }
+header.top { display: flex; align-items: flex-start; justify-content: space-between; gap: 24px;
+  background: var(--card); border: 1px solid var(--line); border-radius: 12px; padding: 22px 26px; }
+h1 { margin: 0 0 4px; font-size: 22px; letter-spacing: -0.01em; }
+h1 small { color: var(--muted); font-weight: 500; }
+h2 { font-size: 17px; margin: 34px 0 10px; }
+h3 { font-size: 14px; margin: 0; }
+.sub { color: var(--muted); font-size: 13px; }
+.facts { display: flex; flex-wrap: wrap; gap: 8px 22px; margin-top: 12px; font-size: 13px; }
+.facts b { font-weight: 600; }
+.verdict { font-size: 20px; font-weight: 700; padding: 10px 20px; border-radius: 10px; white-space: nowrap;
+  text-align: center; }
+.verdict small { display: block; font-size: 12px; font-weight: 500; margin-top: 2px; }
+.verdict.PASS { background: var(--pass-bg); color: var(--pass); border: 1px solid #aceebb; }
+.verdict.FAIL { background: var(--fail-bg); color: var(--fail); border: 1px solid #ffcecb; }
+.panel { background: var(--card); border: 1px solid var(--line); border-radius: 12px; padding: 16px 18px; }
+.scroll { overflow-x: auto; }
+table { border-collapse: collapse; width: 100%; font-size: 12.5px; }
+th, td { padding: 6px 8px; border-bottom: 1px solid #e6eaef; text-align: right; white-space: nowrap; }
+th { font-size: 11.5px; text-transform: uppercase; letter-spacing: .03em; color: var(--muted);
+  font-weight: 600; background: var(--soft); }
+th:first-child, td:first-child, td.l, th.l { text-align: left; }
+tbody tr:hover { background: #fafbfc; }
+td.good { color: var(--pass); }
+td.bad { color: var(--fail); background: var(--fail-bg); font-weight: 600; }
+td.name { font-weight: 600; font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 12.5px; }
+td.varied { color: var(--muted); white-space: normal; min-width: 150px; max-width: 240px; text-align: left; font-size: 12px; }
+td.varied .role { display: block; font-size: 11px; color: #8c959f; }
+td.measure { white-space: normal; min-width: 220px; text-align: left; }
+.badge { display: inline-block; font-size: 11px; font-weight: 700; padding: 2px 8px; border-radius: 999px;
+  letter-spacing: .03em; }
+.badge.PASS { background: var(--pass-bg); color: var(--pass); }
+.badge.FAIL { background: var(--fail-bg); color: var(--fail); }
+.badge.INFO { background: var(--info-bg); color: var(--info); }
+.badge.REF { background: var(--ref-bg); color: var(--ref); }
+.badge.BIT { background: #fbefff; color: #8250df; }
+ul.fails { margin: 12px 0 0; padding: 10px 14px 10px 30px; background: var(--fail-bg); border-radius: 8px;
+  color: #82071e; font-size: 12.5px; }
+ul.fails li { margin: 2px 0; }
+.gates { font-size: 12.5px; color: var(--muted); margin: 10px 2px 0; }
+.plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(420px, 1fr)); gap: 16px; }
+.plots figure { margin: 0; }
+.plots img { width: 100%; height: auto; display: block; }
+figcaption { font-size: 12px; color: var(--muted); margin-top: 6px; }
+.bnote { display: block; color: var(--muted); font-weight: 400; font-size: 11.5px; max-width: 360px; }
+.rowcard { background: var(--card); border: 1px solid var(--line); border-radius: 12px; padding: 14px 16px;
+  margin-bottom: 16px; }
+.rowhead { display: flex; align-items: baseline; gap: 14px; flex-wrap: wrap; margin-bottom: 10px; }
+.rowhead .sub { font-size: 12.5px; }
+.strip { display: grid; grid-template-columns: repeat({{ n_cells }}, minmax(120px, 1fr)); gap: 12px; overflow-x: auto;
+  padding-bottom: 4px; }
+.cell { min-width: 0; }
+.cell .title { overflow: hidden; text-overflow: ellipsis; font: 600 12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; margin-bottom: 5px; min-height: 20px;
+  display: flex; justify-content: space-between; align-items: center; gap: 4px; }
+.cell img { width: 100%; height: auto; display: block; border-radius: 6px; background: #eee;
+  image-rendering: {{ 'pixelated' if pixelated else 'auto' }}; }
+.cell img.heat { margin-top: 6px; }
+.cell .m { font-size: 11.5px; color: var(--muted); margin-top: 5px; line-height: 1.35;
+  font-variant-numeric: tabular-nums; }
+.cell .m b { color: var(--fg); font-weight: 600; }
+.cell .m b.bad { color: var(--fail); }
+.cell.ref img { box-shadow: 0 0 0 2px #8c959f; }
+.failbox { min-height: 80px; border-radius: 6px; background: var(--fail-bg); color: #82071e;
+  font-size: 12px; padding: 10px; white-space: normal; }
+details { margin-top: 8px; font-size: 12.5px; }
+details summary { cursor: pointer; color: var(--muted); }
+details pre { white-space: pre-wrap; background: var(--soft); padding: 10px; border-radius: 8px; font-size: 12px;
+  max-height: 220px; overflow: auto; }
+.legend { display: flex; align-items: center; gap: 14px; margin: 0 0 12px; font-size: 12px; color: var(--muted); }
+.legend img { height: 40px; }
+dl.defs { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; font-size: 12.5px; color: var(--muted); }
+dl.defs dt { font-weight: 600; color: var(--fg); }
+dl.defs dd { margin: 0; }
+footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
+</style>
+</head>
+<body>
+<main>
+<header class="top">
+  <div>
+    <h1>ardit sweep · {{ meta.name }} <small>{{ meta.sweep_id }}</small></h1>
+    {% if meta.description %}<div class="sub">{{ meta.description }}</div>{% endif %}
+    <div class="facts">
+      <span>reference <b>{{ meta.reference }}</b></span>
+      <span>model <b>{{ meta.base.model }}</b></span>
+      <span>dataset <b>{{ meta.base.dataset }}</b></span>
+      <span>rows <b>{{ n_rows }}</b></span>
+      <span>configs <b>{{ configs|length }}</b></span>
+      <span>finished <b>{{ meta.finished }}</b></span>
+    </div>
+  </div>
+  <div class="verdict {{ verdict }}">{{ verdict }}<small>{{ n_gated_pass }}/{{ n_gated }} gated configs pass</small></div>
+</header>
+
+<h2>Summary</h2>
+<div class="panel">
+  <div class="scroll">
+  <table>
+    <thead><tr>
+      <th class="l">config</th><th class="l">varies</th><th>status</th><th>rows ok</th>
+      <th>PSNR mean</th><th>PSNR min</th><th>SSIM min</th><th>mean |Δ| max</th><th>p99 |Δ| max</th>
+      <th>bitwise</th><th>CoT sim</th><th>time / img</th><th>vs ref</th>
+    </tr></thead>
+    <tbody>
+    {% for c in configs %}
+      <tr>
+        <td class="name">{{ c.name }}</td>
+        <td class="varied">{{ c.label }}{% if c.role_label %}<span class="role">{{ c.role_label }}</span>{% endif %}</td>
+        <td><span class="badge {{ c.status }}" title="{{ c.status_title }}">{{ c.status }}</span></td>
+        <td class="{{ c.cls.rows }}">{{ c.rows_ok }}</td>
+        <td>{{ c.psnr_mean }}</td>
+        <td class="{{ c.cls.psnr }}">{{ c.psnr_min }}</td>
+        <td class="{{ c.cls.ssim }}">{{ c.ssim_min }}</td>
+        <td class="{{ c.cls.mean_abs }}">{{ c.mean_abs_max }}</td>
+        <td class="{{ c.cls.p99 }}">{{ c.p99_abs_max }}</td>
+        <td>{{ c.bitwise }}</td>
+        <td>{{ c.cot }}</td>
+        <td>{{ c.time }}</td>
+        <td>{{ c.speedup }}</td>
+      </tr>
+    {% endfor %}
+    </tbody>
+  </table>
+  </div>
+  <div class="gates">Gates (per image, every row must pass): {{ gates_text }}{% if overrides_text %} · overrides: {{ overrides_text }}{% endif %}. PSNR/SSIM/|Δ| are against each config's baseline (the reference); the reference row is its own comparison.</div>
+  {% if failures %}
+  <ul class="fails">{% for f in failures %}<li>{{ f }}</li>{% endfor %}</ul>
+  {% endif %}
+</div>
+
+<h2>Speed and fidelity</h2>
+<div class="plots">
+  {% if speed_plot %}<figure class="panel"><img src="{{ speed_plot }}" alt="speed vs fidelity plot"><figcaption>Each point is a config: mean time per image (from the run's stage timings) against mean PSNR vs the reference. Green pass, red fail, blue ungated, star = reference.</figcaption></figure>{% endif %}
+  {% if delta_plot %}<figure class="panel"><img src="{{ delta_plot }}" alt="|Δ| percentile profile"><figcaption>|Δ| percentiles of the worst row per config (log scale; exact zeros drawn at the floor).</figcaption></figure>{% endif %}
+</div>
+
+<h2>Precision budget</h2>
+<div class="panel">
+  {% if budget %}
+  <div class="scroll">
+  <table>
+    <thead><tr>
+      <th class="l">measure</th><th class="l">config</th><th>rows</th><th>bitwise</th><th>PSNR mean</th><th>PSNR min</th>
+      <th>SSIM mean</th><th>mean |Δ|</th><th>p99 |Δ|</th><th>CoT sim</th><th>tokens =</th><th>1st div.</th>
+      <th>latent cos</th>
+    </tr></thead>
+    <tbody>
+    {% for b in budget %}
+      <tr>
+        <td class="measure"><b>{{ b.measure }}</b>{% if b.note %}<span class="bnote">{{ b.note }}</span>{% endif %}</td><td class="name">{{ b.config }}</td><td>{{ b.rows }}</td><td>{{ b.bitwise }}</td>
+        <td>{{ b.psnr_mean }}</td><td>{{ b.psnr_min }}</td><td>{{ b.ssim_mean }}</td><td>{{ b.mean_abs }}</td>
+        <td>{{ b.p99 }}</td><td>{{ b.cot }}</td><td>{{ b.tokens }}</td><td>{{ b.div }}</td><td>{{ b.latent }}</td>
+      </tr>
+    {% endfor %}
+    </tbody>
+  </table>
+  </div>
+  <div class="gates">Seed PR for scale (HunyuanImage-3, 50 steps): reuse re-runs bitwise; non-reuse re-runs 26.7 dB; reuse vs non-reuse 10.2 dB.</div>
+  {% else %}
+  <div class="sub">No precision-budget configs in this sweep.</div>
+  {% endif %}
+</div>
+
+<h2>Images <span class="sub">({{ shown_rows }} of {{ n_rows }} rows, worst first)</span></h2>
+<div class="legend"><span>|Δ| heatmap (mean over RGB):</span><img src="{{ colorbar }}" alt="heatmap colour scale"></div>
+{% for r in rows %}
+<section class="rowcard">
+  <div class="rowhead">
+    <h3>{{ r.id }}</h3>
+    <span class="sub">worst: {{ r.worst }}</span>
+    {% if r.prompt %}<span class="sub">prompt: {{ r.prompt }}</span>{% endif %}
+  </div>
+  <div class="strip">
+    <div class="cell ref">
+      <div class="title"><span>{{ meta.reference }}</span><span class="badge REF">REF</span></div>
+      {% if r.ref_img %}<img src="{{ r.ref_img }}" alt="reference image {{ r.id }}">{% else %}<div class="failbox">{{ r.ref_error }}</div>{% endif %}
+      <div class="m">{{ r.ref_info }}</div>
+    </div>
+    {% for c in r.cells %}
+    <div class="cell">
+      <div class="title"><span>{{ c.config }}</span>{% if c.bitwise %}<span class="badge BIT">bitwise</span>{% elif c.badge %}<span class="badge {{ c.badge }}">{{ c.badge }}</span>{% endif %}</div>
+      {% if c.error %}
+        <div class="failbox">{{ c.error }}</div>
+      {% else %}
+        <img src="{{ c.img }}" alt="{{ c.config }} image {{ r.id }}">
+        <img class="heat" src="{{ c.heat }}" alt="{{ c.config }} difference heatmap {{ r.id }}">
+        <div class="m">PSNR <b class="{{ c.psnr_cls }}">{{ c.psnr }}</b> · SSIM <b class="{{ c.ssim_cls }}">{{ c.ssim }}</b><br>
+          |Δ| mean {{ c.mean_abs }} · p99 {{ c.p99 }}{% if c.extra %}<br>{{ c.extra }}{% endif %}</div>
+      {% endif %}
+    </div>
+    {% endfor %}
+  </div>
+  {% if r.cot %}<details><summary>reference CoT ({{ r.cot|length }} chars)</summary><pre>{{ r.cot }}</pre></details>{% endif %}
+</section>
+{% endfor %}
+
+<h2>Definitions</h2>
+<div class="panel">
+<dl class="defs">
+  <dt>PSNR</dt><dd>skimage.metrics.peak_signal_noise_ratio, data_range 1, pixels in [0, 1]; ∞ when identical.</dd>
+  <dt>SSIM</dt><dd>skimage.metrics.structural_similarity, channel_axis −1, data_range 1, 7×7 window.</dd>
+  <dt>|Δ|</dt><dd>absolute difference of every channel value; mean and percentiles over H×W×C.</dd>
+  <dt>bitwise</dt><dd>decoded pixel arrays identical.</dd>
+  <dt>CoT sim</dt><dd>difflib ratio of the chain-of-thought texts; tokens equal / 1st divergence compare generated token ids.</dd>
+  <dt>time / img</dt><dd>mean of ar_prefill_s + ar_decode_s + dit_total_s + vae_decode_s per row; “vs ref” is the reference time divided by this one.</dd>
+</dl>
+</div>
+<footer>Generated by ardit {{ generated }} · sweep directory {{ sweep_dir }}</footer>
+</main>
+</body>
+</html>
+"""
