@@ -230,7 +230,10 @@ def _image_problem(data: bytes, what: str) -> str | None:
                 if img.width <= 0 or img.height <= 0:
                     return f"{what} has zero size"
     except Exception as exc:  # PIL raises many types for corrupt data
-        return f"{what} is not a decodable image: {type(exc).__name__}: {exc}"
+        # PIL messages may embed object addresses ("<_io.BytesIO object at 0x..>"): drop them so
+        # the same bad row always gets the same error text (shard files stay deterministic).
+        detail = re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", str(exc))
+        return f"{what} is not a decodable image: {type(exc).__name__}: {detail}"
     return None
 
 
