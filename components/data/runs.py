@@ -273,9 +273,17 @@ class ShardWriter:
     def done_ids(self) -> set[str]:
         return set(self._records)
 
-    def pending(self) -> list[Job]:
-        """Valid input rows without a recorded result, in dataset order."""
-        return [j for j in self.jobs if j.ok and j.id not in self._records]
+    def pending(self, retry_errors: bool = False) -> list[Job]:
+        """Valid input rows without a recorded result, in dataset order.
+
+        With `retry_errors`, rows whose recorded result is an error are offered again (a step
+        that records a transient failure can retry it on the next attempt; the new record
+        replaces the old one)."""
+        def done(job: Job) -> bool:
+            rec = self._records.get(job.id)
+            return rec is not None and not (retry_errors and rec.get("status") != "ok")
+
+        return [j for j in self.jobs if j.ok and not done(j)]
 
     def _job(self, row_id: str) -> Job:
         job = self._by_id.get(row_id)
