@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.cluster import ENDPOINT_KEYS, KV_STORE_FROM_CONFIGMAP, S3_SECRET_KEYS, ClusterSettings, Pool
+from pipeline.cluster import KV_STORE_FROM_CONFIGMAP, POD_IP_ENV, S3_SECRET_KEYS, ClusterSettings, Pool
 from pipeline.cluster import step_args, step_command
 
 TEMPLATES = {"batch_edit": "ardit-batch-edit", "generate_dataset": "ardit-generate-dataset"}
@@ -50,7 +50,7 @@ def workflow_parameters(settings: ClusterSettings, with_run_id: bool = True) -> 
 def _step(step: str, image: str, pool: Pool, s: ClusterSettings) -> Any:
     """A container template running one step program with its pool, credentials and retries."""
     from hera.workflows import ConfigMapEnvFrom, Container, ExistingVolume, Parameter, Resources, RetryStrategy
-    from hera.workflows import SecretEnv
+    from hera.workflows import FieldEnv, SecretEnv
     from hera.workflows import models as m
 
     inputs = _STEP_INPUTS[step]
@@ -67,7 +67,8 @@ def _step(step: str, image: str, pool: Pool, s: ClusterSettings) -> Any:
         node_selector=pool.node_selector or None,
         tolerations=[m.Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect)
                      for t in pool.tolerations] or None,
-        env=[SecretEnv(name=k, secret_name=s.s3_secret, secret_key=k) for k in S3_SECRET_KEYS],
+        env=[SecretEnv(name=k, secret_name=s.s3_secret, secret_key=k) for k in S3_SECRET_KEYS]
+        + [FieldEnv(name=POD_IP_ENV, field_path="status.podIP")],
         env_from=[ConfigMapEnvFrom(name=s.endpoints_config_map, optional=True)],
         volumes=[ExistingVolume(name="weights", claim_name=s.weights_pvc, mount_path=s.weights_path,
                                 read_only=True)] if uses_weights else None,

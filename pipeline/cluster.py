@@ -22,6 +22,8 @@ KV_STORE_FROM_CONFIGMAP = "$(ARDIT_KV_STORE)"
 # Keys of the S3 credentials Secret and of the endpoints ConfigMap; both become env vars of the same name.
 S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 ENDPOINT_KEYS = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "ARDIT_KV_STORE", "MC_MASTER_ADDR", "MC_METADATA_SERVER")
+# The pod's own IP (downward API): the address a Mooncake client registers for itself.
+POD_IP_ENV = "POD_IP"
 
 STEP_MODULES = {
     "shard": "components.shard",

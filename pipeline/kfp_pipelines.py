@@ -10,7 +10,7 @@ ClusterSettings; per-run values are pipeline parameters. kfp is imported inside 
 
 from typing import Any, Callable
 
-from pipeline.cluster import KV_STORE_FROM_CONFIGMAP, ENDPOINT_KEYS, S3_SECRET_KEYS, ClusterSettings, Pool
+from pipeline.cluster import ENDPOINT_KEYS, KV_STORE_FROM_CONFIGMAP, POD_IP_ENV, S3_SECRET_KEYS, ClusterSettings, Pool
 from pipeline.cluster import step_args, step_command
 
 PIPELINES = ("batch_edit", "generate_dataset")
@@ -68,6 +68,7 @@ def _place(task: Any, pool: Pool, settings: ClusterSettings, image: Any, side_ef
     kubernetes.use_secret_as_env(task, secret_name=settings.s3_secret, secret_key_to_env={k: k for k in S3_SECRET_KEYS})
     kubernetes.use_config_map_as_env(task, config_map_name=settings.endpoints_config_map,
                                      config_map_key_to_env={k: k for k in ENDPOINT_KEYS}, optional=True)
+    kubernetes.use_field_path_as_env(task, env_name=POD_IP_ENV, field_path="status.podIP")
     if settings.weights_pvc and pool.gpus:
         kubernetes.mount_pvc(task, pvc_name=settings.weights_pvc, mount_path=settings.weights_path)
     # Steps write to the object store and skip committed work on re-run, so retrying is safe,
