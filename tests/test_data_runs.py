@@ -257,9 +257,9 @@ def test_summary_counts_failures_and_completes(tmp_path) -> None:
     assert (s["rows_ok"], s["rows_failed"]) == (3, 4)  # the row done before the interruption stays ok
     assert {e["error"] for e in s["errors"]} == {"out of memory"} and len(s["errors"]) == 4
     assert layout.verify() == []
-    # a later attempt may retry rows recorded as errors (shard 2 was all errors)
+    # a later attempt may retry rows recorded as errors (shard 2: 3 rows, all errors)
     w = layout.shard_writer(2)
-    assert w.pending() == [] and len(w.pending(retry_errors=True)) == 2
+    assert w.pending() == [] and len(w.pending(retry_errors=True)) == 3
 
 
 def test_summary_cli(tmp_path) -> None:
