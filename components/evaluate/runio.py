@@ -111,7 +111,7 @@ def _shard_dirs(run: Path) -> list[Path]:
 
 
 def load_run_rows(run_uri: str | Path) -> dict[str, RunRow]:
-    """All rows of a run by id (shard order). Raises FileNotFoundError when the run has no rows."""
+    """All rows of a run by id (dataset order when row_index is recorded, else shard order). Raises FileNotFoundError when the run has no rows."""
     run = local_path(run_uri)
     if not run.is_dir():
         raise FileNotFoundError(f"run directory not found: {run}")
@@ -141,10 +141,16 @@ def load_run_rows(run_uri: str | Path) -> dict[str, RunRow]:
                 kv_reason=rec.get("kv_reason"),
                 timings=timings,
                 latents_path=latents if latents.is_file() else None,
-                extra={"generated_tokens": rec.get("generated_tokens"), "prompt": rec.get("prompt")},
+                extra={
+                    "generated_tokens": rec.get("generated_tokens"),
+                    "prompt": rec.get("prompt"),
+                    "row_index": rec.get("row_index"),
+                },
             )
     if not found:
         raise FileNotFoundError(f"no shards/*/rows.parquet under {run}")
+    if rows and all(r.extra["row_index"] is not None for r in rows.values()):
+        rows = dict(sorted(rows.items(), key=lambda kv: int(kv[1].extra["row_index"])))  # dataset order
     return rows
 
 

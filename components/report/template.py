@@ -101,7 +101,7 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
     <div class="facts">
       <span>reference <b>{{ meta.reference }}</b></span>
       <span>model <b>{{ meta.base.model }}</b></span>
-      <span>dataset <b>{{ meta.base.dataset }}</b></span>
+      <span>dataset <b>{{ meta.dataset }}</b></span>
       <span>rows <b>{{ n_rows }}</b></span>
       <span>configs <b>{{ configs|length }}</b></span>
       <span>finished <b>{{ meta.finished }}</b></span>

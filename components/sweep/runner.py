@@ -108,6 +108,7 @@ def run_sweep(
     runs = sweep_dir / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "spec.yaml").write_text(yaml.safe_dump(spec.raw, sort_keys=False))
+    dataset = materialize_dataset(spec.base["dataset"], sweep_dir)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
     states: dict[str, dict[str, Any]] = {}
@@ -125,7 +126,7 @@ def run_sweep(
         log(f"[{cfg.name}] running ({cfg.label()})")
         t0 = time.perf_counter()
         try:
-            outcome = runner(dict(cfg.params), runs, cfg.name, cfg.ar_from)
+            outcome = runner({**cfg.params, "dataset": dataset}, runs, cfg.name, cfg.ar_from)
             state["notes"] += outcome.notes
             state["ar_pinned"] = outcome.ar_pinned
         except Exception as exc:  # a failed config fails the sweep but the others still run
@@ -148,6 +149,7 @@ def run_sweep(
         "description": spec.description,
         "reference": spec.reference,
         "base": spec.base,
+        "dataset": dataset,
         "thresholds": spec.thresholds.as_dict(),
         "configs": [c.to_dict() for c in spec.configs],
         "states": states,
@@ -165,6 +167,36 @@ def run_sweep(
         report_path = write_report(sweep_dir)
         log(f"report: {report_path}")
     return SweepResult(sweep_dir, passed, config_records, failures, report_path)
+
+
+def materialize_dataset(ds: str | dict[str, Any], sweep_dir: Path) -> str:
+    """The dataset URI to run: as given, or a synthetic sample written to `{sweep_dir}/dataset/`.
+
+    Sample rows carry no per-row seed, so the job's `seed` parameter decides the sampling."""
+    if isinstance(ds, str):
+        return ds
+    import random
+
+    from components.data.sample import EDIT_INSTRUCTIONS, GENERATE_PROMPTS, draw_scene
+
+    kind, n, size = ds["sample"], int(ds.get("rows", 4)), int(ds.get("size", 64))
+    rng = random.Random(int(ds.get("seed", 0)))
+    if kind == "edit":
+        table = pa.table({
+            "id": [f"edit-{i:04d}" for i in range(n)],
+            "instruction": [EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)] for i in range(n)],
+            "image": pa.array([draw_scene(size, rng) for _ in range(n)], pa.binary()),
+        })  # fmt: skip
+    else:
+        table = pa.table({
+            "id": [f"gen-{i:04d}" for i in range(n)],
+            "prompt": [GENERATE_PROMPTS[i % len(GENERATE_PROMPTS)] for i in range(n)],
+            "size": [f"{size}x{size}"] * n,
+        })  # fmt: skip
+    path = sweep_dir / "dataset" / f"sample-{kind}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return str(path)
 
 
 def evaluate_sweep(

@@ -206,6 +206,9 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
     _check_keys("base", base, JOB_PARAMS)
     if "dataset" not in base:
         raise SpecError("base.dataset is required")
+    _check_dataset(base["dataset"])
+    if isinstance(base["dataset"], dict) and base["dataset"]["sample"] != base.get("kind"):
+        raise SpecError(f"base.dataset.sample is {base['dataset']['sample']!r} but base.kind is {base.get('kind')!r}")
 
     grid = data.get("grid") or {}
     if not isinstance(grid, dict):
@@ -261,6 +264,26 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
     if dupes:
         raise SpecError(f"duplicate config name(s) {dupes}")
     return SweepSpec(name, str(data.get("description") or ""), base, configs, ref.name, thresholds, data)
+
+
+SAMPLE_KINDS = ("edit", "generate")
+
+
+def _check_dataset(ds: Any) -> None:
+    """A dataset URI, or `{sample: edit|generate, rows: N, size: PX, seed: S}` for a synthetic one
+    written into the sweep directory (components.data.sample scenes / prompts)."""
+    if isinstance(ds, str) and ds:
+        return
+    if isinstance(ds, dict):
+        unknown = set(ds) - {"sample", "rows", "size", "seed"}
+        if unknown:
+            raise SpecError(f"base.dataset: unknown key(s) {sorted(unknown)}")
+        if ds.get("sample") not in SAMPLE_KINDS:
+            raise SpecError(f"base.dataset.sample: one of {list(SAMPLE_KINDS)}")
+        if int(ds.get("rows", 4)) < 1:
+            raise SpecError("base.dataset.rows must be >= 1")
+        return
+    raise SpecError("base.dataset: a URI or a mapping {sample: edit|generate, rows: N}")
 
 
 def _find_reference(ref: Any, configs: list[SweepConfig]) -> SweepConfig:
@@ -334,6 +357,8 @@ def load_spec(path: str | Path) -> SweepSpec:
 
 def _resolve_dataset(spec: SweepSpec, spec_dir: Path) -> None:
     """A relative local dataset path is taken relative to the spec file when it exists there."""
+    if not isinstance(spec.base["dataset"], str):
+        return
     ds = str(spec.base["dataset"])
     if "://" in ds or Path(ds).is_absolute() or Path(ds).exists():
         return

@@ -1,0 +1,179 @@
+"""Sweep runner, precision budget and the exit-code gate, on synthetic runs (no engine)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import components.sweep.runner as runner_mod
+from components.sweep.cli import app
+from components.sweep.runner import JobOutcome, run_sweep
+from components.sweep.spec import parse_spec
+from tests.fixtures_sweep import PROMPT_TOKENS, RECOMPUTE_SIGMA, fake_rows, fake_runner, spec_dict, write_run
+
+PASSING_OVERRIDES = [{"match": {"steps": 4}, "thresholds": {"psnr_min": 20, "ssim_min": 0.4, "p99_abs_max": 0.5}}]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _table(path: Path) -> list[dict[str, Any]]:
+    return pq.read_table(path).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sweeps")
+    result = run_sweep(parse_spec(spec_dict()), out, "s1", runner=fake_runner, log=_quiet)
+    assert result.sweep_dir == out / "s1"
+    return result.sweep_dir
+
+
+def test_sweep_writes_the_tables(sweep_dir: Path) -> None:
+    for name in ("spec.yaml", "sweep.json", "sweep.parquet", "rows.parquet", "budget.parquet", "report.html"):
+        assert (sweep_dir / name).is_file(), name
+    configs = {r["config"]: r for r in _table(sweep_dir / "sweep.parquet")}
+    assert list(configs) == ["reuse-s8", "reuse-s4", "recompute-s8", "recompute-s4", "determinism", "reuse-drift", "ar-diversity"]
+    rows = _table(sweep_dir / "rows.parquet")
+    assert len(rows) == 4 * 7
+    assert {r["config"] for r in rows} == set(configs)
+    for name in configs:  # the evaluation step's per-run tables exist too
+        assert (sweep_dir / "runs" / name / "metrics.parquet").is_file()
+    assert configs["reuse-s8"]["role"] == "reference" and configs["reuse-s8"]["psnr_min"] == math.inf
+
+
+def test_gates_pass_and_fail_per_config(sweep_dir: Path) -> None:
+    configs = {r["config"]: r for r in _table(sweep_dir / "sweep.parquet")}
+    # recompute adds N(0, 0.004) noise: PSNR ~ 47 dB, passes the 30 dB gate
+    assert configs["recompute-s8"]["passed"] is True
+    assert 44 < configs["recompute-s8"]["psnr_min"] < 52
+    # 4 steps blurs and adds N(0, 0.03): ~27 dB, fails PSNR and SSIM on every row
+    for name in ("reuse-s4", "recompute-s4"):
+        assert configs[name]["passed"] is False
+        assert any("PSNR" in v for v in configs[name]["violations"])
+        assert any("SSIM" in v for v in configs[name]["violations"])
+    meta = json.loads((sweep_dir / "sweep.json").read_text())
+    assert meta["passed"] is False
+    assert {f.split(":")[0] for f in meta["failures"]} == {"reuse-s4", "recompute-s4"}
+
+
+def test_precision_budget(sweep_dir: Path) -> None:
+    budget = {b["role"]: b for b in _table(sweep_dir / "budget.parquet")}
+    det = budget["determinism"]
+    assert det["bitwise_rows"] == 4 and det["psnr_mean"] == math.inf and det["rows_used"] == 4
+    drift = budget["reuse_drift"]
+    assert drift["bitwise_rows"] == 0 and drift["tokens_identical_rows"] == 4
+    assert drift["psnr_mean"] == pytest.approx(20 * math.log10(1 / RECOMPUTE_SIGMA), abs=3.0)  # ~48 dB before rounding
+    assert "AR outputs taken from the reference run" in drift["note"]
+    assert "recompute 4/4" in drift["note"]
+    div = budget["ar_diversity"]
+    assert div["tokens_identical_rows"] == 0 and div["token_rows"] == 4
+    assert div["first_divergence_median"] == PROMPT_TOKENS
+    assert 0 < div["cot_similarity_mean"] < 1
+    assert div["psnr_mean"] < 30
+
+
+def test_reuse_drift_without_pinned_ar_uses_rows_with_identical_tokens(tmp_path) -> None:
+    def runner(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
+        rows = fake_rows(params)
+        if run_id == "reuse-drift":  # the AR re-ran and sampled differently on one row
+            rows[1]["generated_ids"] = rows[1]["generated_ids"][:-1] + [7]
+        write_run(output, run_id, rows)
+        return JobOutcome(ar_pinned=False, notes=["run_job does not accept ar_from_run; not passed"])
+
+    spec = parse_spec(spec_dict(grid={"kv_reuse": [True]}, reference="reuse", precision_budget={"determinism": False, "ar_diversity": False}))
+    run_sweep(spec, tmp_path, "s", runner=runner, log=_quiet, report=False)
+    (drift,) = _table(tmp_path / "s" / "budget.parquet")
+    assert drift["rows"] == 4 and drift["rows_used"] == 3
+    assert "3/4 rows with identical tokens" in drift["note"]
+
+
+def test_failed_run_fails_the_sweep_but_the_rest_is_reported(tmp_path) -> None:
+    def runner(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
+        if run_id == "recompute-s8":
+            raise RuntimeError("engine exploded")
+        return fake_runner(params, output, run_id, ar_from)
+
+    spec = parse_spec(spec_dict(overrides=PASSING_OVERRIDES))
+    result = run_sweep(spec, tmp_path, "s", runner=runner, log=_quiet)
+    assert not result.passed
+    assert result.failures == ["recompute-s8: RuntimeError: engine exploded"]
+    configs = {r["config"]: r for r in _table(tmp_path / "s" / "sweep.parquet")}
+    assert configs["recompute-s8"]["run_error"] == "RuntimeError: engine exploded"
+    assert configs["reuse-s4"]["passed"] is True
+    assert "engine exploded" in (tmp_path / "s" / "runs" / "recompute-s8.error.txt").read_text()
+    assert "engine exploded" in result.report.read_text()
+
+
+def test_missing_rows_fail_even_an_ungated_config(tmp_path) -> None:
+    def runner(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
+        rows = fake_rows(params)
+        if run_id == "ar-diversity":
+            rows = rows[:3]
+        write_run(output, run_id, rows)
+        return JobOutcome(ar_pinned=ar_from is not None)
+
+    spec = parse_spec(spec_dict(overrides=PASSING_OVERRIDES))
+    result = run_sweep(spec, tmp_path, "s", runner=runner, log=_quiet, report=False)
+    assert [f.split(":")[0] for f in result.failures] == ["ar-diversity"]
+    assert "missing_in_run" in result.failures[0]
+
+
+def test_resume_keeps_finished_runs(tmp_path) -> None:
+    calls: list[str] = []
+
+    def runner(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
+        calls.append(run_id)
+        return fake_runner(params, output, run_id, ar_from)
+
+    spec = parse_spec(spec_dict(precision_budget=False))
+    run_sweep(spec, tmp_path, "s", runner=runner, log=_quiet, report=False)
+    (tmp_path / "s" / "runs" / "reuse-s4" / "summary.json").unlink()
+    calls.clear()
+    run_sweep(spec, tmp_path, "s", runner=runner, log=_quiet, report=False, resume=True)
+    assert calls == ["reuse-s4"]
+
+
+def _write_spec(tmp_path: Path, **over: Any) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec_dict(**over)))
+    return path
+
+
+def test_cli_exits_1_when_a_gate_fails_and_0_when_all_pass(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(runner_mod, "run_job_adapter", fake_runner)
+    cli = CliRunner()
+    failing = cli.invoke(app, ["sweep", str(_write_spec(tmp_path)), "--output", str(tmp_path / "out"), "--sweep-id", "fail"])
+    assert failing.exit_code == 1, failing.output
+    assert "FAIL reuse-s4" in failing.output
+    assert (tmp_path / "out" / "fail" / "report.html").is_file()  # written before exiting
+
+    passing = cli.invoke(app, ["sweep", str(_write_spec(tmp_path, overrides=PASSING_OVERRIDES)),
+                               "--output", str(tmp_path / "out"), "--sweep-id", "pass"])  # fmt: skip
+    assert passing.exit_code == 0, passing.output
+    assert "all gates passed" in passing.output
+
+
+def test_sample_dataset_is_written_into_the_sweep(tmp_path) -> None:
+    seen: list[str] = []
+
+    def runner(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
+        seen.append(params["dataset"])
+        return fake_runner(params, output, run_id, ar_from)
+
+    spec = parse_spec(spec_dict(base={"dataset": {"sample": "edit", "rows": 5, "size": 32}, "steps": 8, "kv_reuse": True},
+                                precision_budget=False))  # fmt: skip
+    run_sweep(spec, tmp_path, "s", runner=runner, log=_quiet, report=False)
+    path = tmp_path / "s" / "dataset" / "sample-edit.parquet"
+    assert set(seen) == {str(path)}
+    table = pq.read_table(path)
+    assert table.num_rows == 5 and "seed" not in table.column_names
+    assert set(table.column_names) == {"id", "instruction", "image"}

@@ -1,0 +1,149 @@
+"""Sweep spec parsing and grid expansion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from components.sweep.cli import app
+from components.sweep.spec import (
+    AR_DIVERSITY,
+    DETERMINISM,
+    GRID,
+    REFERENCE,
+    REUSE_DRIFT,
+    SpecError,
+    load_spec,
+    parse_spec,
+)
+from tests.fixtures_sweep import spec_dict
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "sweeps" / "tiny.yaml"
+
+
+def test_tiny_example_expands_to_grid_plus_budget() -> None:
+    spec = load_spec(TINY)
+    names = [c.name for c in spec.configs]
+    assert names == ["reuse-s8", "reuse-s4", "recompute-s8", "recompute-s4", "determinism", "reuse-drift", "ar-diversity"]
+    assert spec.reference == "reuse-s8"
+    roles = {c.name: c.role for c in spec.configs}
+    assert roles["reuse-s8"] == REFERENCE and roles["recompute-s8"] == GRID
+    assert roles["determinism"] == DETERMINISM and roles["reuse-drift"] == REUSE_DRIFT
+    assert roles["ar-diversity"] == AR_DIVERSITY
+    # at least 3 configs with reuse on/off and two step counts, over >= 4 rows
+    grid = [c for c in spec.configs if c.role in (REFERENCE, GRID)]
+    assert {c.params["kv_reuse"] for c in grid} == {True, False}
+    assert {c.params["steps"] for c in grid} == {8, 4}
+    assert spec.base["dataset"]["rows"] >= 4
+    assert spec.base["model"] == "tiny"
+
+
+def test_tiny_example_gates() -> None:
+    spec = load_spec(TINY)
+    c = {x.name: x for x in spec.configs}
+    assert c["recompute-s8"].gated and c["recompute-s8"].thresholds.psnr_min == 30
+    assert not c["reuse-s4"].gated and not c["recompute-s4"].gated  # override gate: false
+    assert not c["reuse-s8"].gated  # the reference is never gated against itself
+    assert not c["determinism"].gated
+    drift = c["reuse-drift"]
+    assert drift.params["kv_reuse"] is False and drift.ar_from == "reuse-s8"
+    assert c["ar-diversity"].params["seed"] == 43
+    assert all(x.baseline == "reuse-s8" for x in spec.configs if x.role != REFERENCE)
+
+
+def test_grid_is_the_cartesian_product_in_order() -> None:
+    spec = parse_spec(spec_dict(grid={"steps": [8, 4, 2], "guidance": [5.0, 2.5]},
+                                reference="s8-g5", precision_budget=False))  # fmt: skip
+    assert [c.name for c in spec.configs] == ["s8-g5", "s8-g2.5", "s4-g5", "s4-g2.5", "s2-g5", "s2-g2.5"]
+    assert spec.config("s4-g2.5").params | {} == {**spec.base, "steps": 4, "guidance": 2.5}
+    assert spec.config("s4-g2.5").varied == {"steps": 4, "guidance": 2.5}
+
+
+def test_dtype_temperature_and_seed_names() -> None:
+    spec = parse_spec(spec_dict(grid={"dtype": ["bfloat16", "float32"], "temperature": [0.0, 0.7], "seed": [1]},
+                                reference="bf16-t0-seed1", precision_budget=False))  # fmt: skip
+    assert [c.name for c in spec.configs] == ["bf16-t0-seed1", "bf16-t0.7-seed1", "fp32-t0-seed1", "fp32-t0.7-seed1"]
+
+
+def test_overrides_by_match_and_name() -> None:
+    spec = parse_spec(
+        spec_dict(
+            overrides=[
+                {"match": {"steps": 4}, "thresholds": {"psnr_min": 20, "ssim_min": None}},
+                {"name": "recompute-s8", "thresholds": {"p99_abs_max": 0.1}},
+            ]
+        )
+    )
+    s4 = spec.config("reuse-s4").thresholds
+    assert s4.psnr_min == 20 and s4.ssim_min is None and s4.mean_abs_max == 0.03
+    r8 = spec.config("recompute-s8").thresholds
+    assert r8.psnr_min == 30 and r8.p99_abs_max == 0.1
+
+
+def test_explicit_extra_config_and_reference_by_name() -> None:
+    spec = parse_spec(spec_dict(configs=[{"name": "greedy", "params": {"temperature": 0.0}, "thresholds": {"psnr_min": 10}}],
+                                reference="reuse-s8"))  # fmt: skip
+    greedy = spec.config("greedy")
+    assert greedy.params["temperature"] == 0.0 and greedy.thresholds.psnr_min == 10
+    assert greedy.thresholds.ssim_min == 0.97
+
+
+def test_budget_can_be_gated_and_disabled() -> None:
+    gated = parse_spec(spec_dict(precision_budget={"determinism": True, "reuse_drift": False, "ar_diversity": False, "gate": True}))
+    assert [c.name for c in gated.configs if c.role == DETERMINISM] == ["determinism"]
+    assert gated.config("determinism").gated
+    assert not any(c.role in (REUSE_DRIFT, AR_DIVERSITY) for c in gated.configs)
+    off = parse_spec(spec_dict(precision_budget=False))
+    assert all(c.role in (REFERENCE, GRID) for c in off.configs)
+    default = parse_spec(spec_dict(precision_budget=True))
+    assert default.config("ar-diversity").params["seed"] == 43  # reference seed + 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"grid": {"stepz": [1, 2]}}, "unknown parameter"),
+        ({"grid": {"steps": []}}, "non-empty list"),
+        ({"grid": {"steps": [8, 8]}}, "duplicate values"),
+        ({"reference": {"steps": 8}}, "matches 2 configs"),
+        ({"reference": "nope"}, "no such config"),
+        ({"thresholds": {"psnr": 30}}, "unknown threshold"),
+        ({"precision_budget": {"ar_diversity": {"seed": 42}}}, "must differ"),
+        ({"base": {"kind": "edit"}}, "dataset is required"),
+        ({"colour": "red"}, "unknown top-level"),
+        ({"overrides": [{"thresholds": {}}]}, "needs 'name' or 'match'"),
+        ({"configs": [{"name": "reuse-s8", "params": {}}], "reference": "reuse-s4"}, "duplicate config name"),
+        ({"name": "a b"}, "use letters"),
+    ],
+)
+def test_invalid_specs_say_why(change: dict, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        parse_spec(spec_dict(**change))
+
+
+def test_relative_dataset_path_is_resolved_next_to_the_spec(tmp_path) -> None:
+    (tmp_path / "data.parquet").write_bytes(b"x")
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(spec_dict(base={"dataset": "data.parquet", "steps": 8, "kv_reuse": True})))
+    spec = load_spec(path)
+    assert spec.base["dataset"] == str(tmp_path / "data.parquet")
+    assert all(c.params["dataset"] == str(tmp_path / "data.parquet") for c in spec.configs)
+
+
+def test_dry_run_prints_the_expanded_grid() -> None:
+    result = CliRunner().invoke(app, ["sweep", str(TINY), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    for name in ("reuse-s8", "recompute-s4", "determinism", "reuse-drift", "ar-diversity"):
+        assert name in result.output
+    assert "not gated" in result.output and "PSNR ≥ 30 dB" in result.output
+
+
+def test_invalid_spec_exits_2(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbase: {dataset: d}\ngrid: {steps: [1, 2]}\n")
+    result = CliRunner().invoke(app, ["sweep", str(bad), "--dry-run"])
+    assert result.exit_code == 2
+    assert "reference" in result.output
