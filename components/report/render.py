@@ -122,6 +122,8 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
     if not meta_path.is_file():
         raise FileNotFoundError(f"{sweep_dir} is not a sweep directory (no sweep.json); run `ardit sweep` first")
     meta = json.loads(meta_path.read_text())
+    meta.setdefault("dataset", (meta.get("base") or {}).get("dataset", "–"))
+    meta.setdefault("description", "")
     configs = _read(sweep_dir / "sweep.parquet")
     rows = _read(sweep_dir / "rows.parquet")
     budget = _read(sweep_dir / "budget.parquet")
