@@ -170,7 +170,7 @@ def test_sample_datasets_are_valid_and_deterministic(tmp_path) -> None:
     assert {Image.open(io.BytesIO(j.image)).size for j in valid} == {(64, 64)}
     assert len({j.image for j in valid}) == 6  # six different pictures
     again = write_sample_edit_dataset(str(tmp_path / "edit2.parquet"), n=6, size=64, seed=3)
-    assert read_dataset(again).table.equals(read_dataset(uri).table)
+    assert read_dataset(again).read_table().equals(read_dataset(uri).read_table())
     gen = write_sample_generate_dataset(str(tmp_path / "gen"), n=4)
     valid, errors = validate_dataset(read_dataset(gen), "generate")
     assert [j.id for j in valid] == ["gen-0000", "gen-0001", "gen-0002", "gen-0003"] and errors == []

@@ -180,3 +180,47 @@ def test_s3_multipart_really_used(s3_prefix, s3_env) -> None:
     head = s3_env.client().head_object(Bucket=s3_env.bucket, Key=f"{store.prefix}/mp/blob")
     assert head["ContentLength"] == 20 * MiB
     assert head["ETag"].strip('"').endswith("-4")
+
+
+def test_size_ranges_and_reader(store: ObjectStore) -> None:
+    data = bytes(range(256)) * 40
+    store.put_bytes("r/blob", data)
+    assert store.size("r/blob") == len(data)
+    assert store.get_range("r/blob", 10, 5) == data[10:15]
+    assert store.get_range("r/blob", len(data) - 3, 100) == data[-3:]
+    with store.open_reader("r/blob") as f:
+        f.seek(-8, os.SEEK_END)
+        assert f.read(8) == data[-8:]
+        f.seek(100)
+        assert f.read(4) == data[100:104] and f.tell() == 104
+        f.seek(0)
+        assert f.read() == data
+    with pytest.raises(ObjectNotFoundError):
+        store.size("r/missing")
+    with pytest.raises(ObjectNotFoundError):
+        store.open_reader("r/missing")
+
+
+def test_content_id_follows_content(store: ObjectStore) -> None:
+    store.put_bytes("c/a", b"one")
+    first = store.content_id("c/a")
+    store.put_bytes("c/a", b"one")
+    assert store.content_id("c/a") == first
+    store.put_bytes("c/a", b"two")
+    assert store.content_id("c/a") != first
+
+
+def test_parquet_read_through_range_reader(store: ObjectStore) -> None:
+    """pyarrow reads a footer and single row groups through open_reader."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"x": list(range(1000))}), buf, row_group_size=100)
+    store.put_bytes("p/t.parquet", buf.getvalue())
+    with store.open_reader("p/t.parquet") as f:
+        pf = pq.ParquetFile(f)
+        assert pf.metadata.num_rows == 1000 and pf.metadata.num_row_groups == 10
+        assert pf.read_row_group(7).column("x").to_pylist() == list(range(700, 800))

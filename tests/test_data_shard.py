@@ -107,6 +107,24 @@ def test_more_shards_than_rows_gives_empty_shards(tmp_path) -> None:
     assert RunLayout.open(str(tmp_path / "out"), "r").read_inputs(0) == []
 
 
+def test_large_dataset_streams_over_many_files_and_row_groups(tmp_path) -> None:
+    """1300 rows in 3 files with small row groups: shards are contiguous and complete."""
+    d = tmp_path / "big"
+    d.mkdir()
+    counter = 0
+    for f, n in enumerate((500, 300, 500)):
+        rows = [{"id": f"g{counter + i:05d}", "prompt": f"prompt {counter + i}"} for i in range(n)]
+        counter += n
+        pq.write_table(pa.Table.from_pylist(rows), d / f"part-{f}.parquet", row_group_size=128)
+    manifest = run(str(d), str(tmp_path / "out"), "big", 3, "generate")
+    layout = RunLayout.open(str(tmp_path / "out"), "big")
+    shards = _all_inputs(layout, 3)
+    assert [len(s) for s in shards] == [433, 433, 434]
+    assert [j.id for s in shards for j in s] == [f"g{i:05d}" for i in range(1300)]
+    assert [(e["first_row"], e["last_row"]) for e in manifest["shards"]] == [(0, 432), (433, 865), (866, 1299)]
+    assert pq.ParquetFile(tmp_path / "out/big/inputs/2.parquet").metadata.num_row_groups > 1
+
+
 def test_cli(tmp_path) -> None:
     ds = _mixed_dataset(tmp_path / "ds.parquet")
     cmd = [sys.executable, "-m", "components.shard", "--dataset", ds, "--output", str(tmp_path / "out"),

@@ -26,7 +26,7 @@ import json
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -136,21 +136,55 @@ def utf8_bytes(text: str) -> int:
 
 
 @dataclass
-class RawDataset:
-    """The dataset's rows as read, plus where they came from."""
+class DatasetSource:
+    """A dataset opened for streaming: only the Parquet footers have been read.
+
+    Rows are read file by file, batch by batch (`iter_rows`), so the shard step's memory stays
+    bounded by one batch, whatever the dataset's size.
+    """
 
     uri: str
-    table: pa.Table
-    files: list[str]
-    fingerprint: str  # sha256 over the files' names and bytes: "the same dataset" check
-    base: ObjectStore = field(repr=False)  # for resolving relative image_uri values
+    base: ObjectStore = field(repr=False)  # also resolves relative image_uri values
+    keys: list[str]
+    row_counts: list[int]
+    file_columns: list[list[str]]
+    fingerprint: str  # sha256 over the files' names and content ids: "the same dataset" check
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.row_counts)
+
+    @property
+    def files(self) -> list[str]:
+        return [self.base.url(k) for k in self.keys]
+
+    @property
+    def has_ids(self) -> bool:
+        return all("id" in cols for cols in self.file_columns)
+
+    def iter_rows(self, batch_size: int = 256) -> Iterator[dict[str, Any]]:
+        for key, expected in zip(self.keys, self.row_counts):
+            seen = 0
+            with self.base.open_reader(key) as f:
+                for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_size):
+                    seen += batch.num_rows
+                    yield from batch.to_pylist()
+            if seen != expected:
+                raise DatasetError(f"{self.base.url(key)} changed while being read ({expected} rows, then {seen})")
+
+    def read_table(self) -> pa.Table:
+        """Everything in memory at once (small datasets, tests)."""
+        tables = []
+        for key in self.keys:
+            with self.base.open_reader(key) as f:
+                tables.append(pq.read_table(f))
+        return pa.concat_tables(tables, promote_options="permissive")
 
 
-def read_dataset(uri: str) -> RawDataset:
-    """Read one Parquet file or every *.parquet under a directory / S3 prefix (sorted by key)."""
+def read_dataset(uri: str) -> DatasetSource:
+    """Open one Parquet file, or every *.parquet under a directory / S3 prefix (sorted by key)."""
     uri = str(uri)
-    local_file = not is_s3_uri(uri) and _is_local_file(uri)
-    if uri.endswith(".parquet") or local_file:
+    if uri.endswith(".parquet") or (not is_s3_uri(uri) and _is_local_file(uri)):
         parent, name = split_uri(uri)
         base = open_object_store(parent)
         keys = [name]
@@ -159,23 +193,21 @@ def read_dataset(uri: str) -> RawDataset:
         keys = [k for k in base.list("") if k.endswith(".parquet")]
         if not keys:
             raise DatasetError(f"no *.parquet files under {base.url()}")
-    tables, digest = [], hashlib.sha256()
+    digest = hashlib.sha256()
+    counts, columns = [], []
     for key in keys:
         try:
-            data = base.get_bytes(key)
+            digest.update(f"{key}\0{base.content_id(key)}\n".encode())
+            with base.open_reader(key) as f:
+                meta = pq.ParquetFile(f)
+                counts.append(meta.metadata.num_rows)
+                columns.append(meta.schema_arrow.names)
         except ObjectNotFoundError:
             raise DatasetError(f"dataset file {base.url(key)} does not exist") from None
-        digest.update(key.encode() + b"\0" + hashlib.sha256(data).digest())
-        try:
-            tables.append(pq.read_table(io.BytesIO(data)))
         except (pa.ArrowInvalid, OSError) as exc:
             raise DatasetError(f"{base.url(key)} is not a readable Parquet file: {exc}") from None
-    try:
-        table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise DatasetError(f"the Parquet files under {uri} have incompatible schemas: {exc}") from None
-    return RawDataset(uri=uri, table=table, files=[base.url(k) for k in keys],
-                      fingerprint=digest.hexdigest(), base=base)
+    return DatasetSource(uri=uri, base=base, keys=keys, row_counts=counts, file_columns=columns,
+                         fingerprint=digest.hexdigest())
 
 
 def _is_local_file(uri: str) -> bool:
@@ -185,16 +217,17 @@ def _is_local_file(uri: str) -> bool:
     return Path(path).is_file()
 
 
-def check_columns(table: pa.Table, kind: str) -> None:
-    """Dataset-level problems (a required column missing everywhere) are one clear error."""
+def check_columns(source: DatasetSource, kind: str) -> None:
+    """Dataset-level problems (a required column missing from a file) are one clear error."""
     if kind not in KINDS:
         raise DatasetError(f"unknown dataset kind {kind!r} (expected one of {', '.join(KINDS)})")
-    cols = set(table.column_names)
     need = TEXT_COLUMN[kind]
-    if need not in cols:
-        raise DatasetError(f"{kind} dataset has no {need!r} column (columns: {sorted(cols)})")
-    if kind == "edit" and not cols & {"image", "image_uri"}:
-        raise DatasetError(f"edit dataset needs an 'image' or 'image_uri' column (columns: {sorted(cols)})")
+    for url, cols in zip(source.files, source.file_columns):
+        if need not in cols:
+            raise DatasetError(f"{kind} dataset file {url} has no {need!r} column (columns: {sorted(cols)})")
+        if kind == "edit" and not set(cols) & {"image", "image_uri"}:
+            raise DatasetError(f"edit dataset file {url} needs an 'image' or 'image_uri' column "
+                               f"(columns: {sorted(cols)})")
 
 
 # -------------------------------------------------------------------------------------- validation
@@ -250,87 +283,107 @@ def _struct_path(value: Any) -> str | None:
     return value.get("path") or None if isinstance(value, dict) else None
 
 
-def validate_rows(
-    rows: Sequence[dict[str, Any]],
-    kind: str,
-    *,
-    count_tokens: Callable[[str], int] = utf8_bytes,
-    max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS,
-    is_supported_size: Callable[[int, int], bool] = default_is_supported_size,
-    fetch: Callable[[str], bytes] | None = None,
-    start_index: int = 0,
-) -> tuple[list[Job], list[Job]]:
-    """Validate dataset rows (dicts as from `Table.to_pylist()`); returns (valid, errors).
+class RowValidator:
+    """Turns dataset rows into Jobs, one at a time (remembers ids to catch duplicates).
 
-    Every input row ends in exactly one of the two lists. Images given by URI are fetched (with
-    `fetch`) so that shard files carry the bytes. Duplicate ids: the first row keeps the id,
-    later ones become error rows naming the first position.
+    An error Job keeps its id and position and names every problem found in the row.
+    Duplicate ids: the first row keeps the id, later ones are errors naming the first position.
     """
-    if kind not in KINDS:
-        raise DatasetError(f"unknown dataset kind {kind!r}")
-    fetch = fetch or _ImageFetcher(None)
-    text_col = TEXT_COLUMN[kind]
-    valid: list[Job] = []
-    errors: list[Job] = []
-    seen: dict[str, int] = {}
-    for offset, row in enumerate(rows):
-        index = start_index + offset
-        problems: list[str] = []
 
-        raw_id = row.get("id") if "id" in row else f"row-{index:06d}"
-        job_id = "" if raw_id is None else str(raw_id)
+    def __init__(
+        self,
+        kind: str,
+        *,
+        count_tokens: Callable[[str], int] = utf8_bytes,
+        max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS,
+        is_supported_size: Callable[[int, int], bool] = default_is_supported_size,
+        fetch: Callable[[str], bytes] | None = None,
+    ):
+        if kind not in KINDS:
+            raise DatasetError(f"unknown dataset kind {kind!r} (expected one of {', '.join(KINDS)})")
+        self.kind = kind
+        self.text_col = TEXT_COLUMN[kind]
+        self.count_tokens = count_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+        self.is_supported_size = is_supported_size
+        self.fetch = fetch or _ImageFetcher(None)
+        self.seen: dict[str, int] = {}
+
+    def __call__(self, row: dict[str, Any], index: int) -> Job:
+        problems: list[str] = []
+        job_id = self._id(row, index, problems)
+        text = self._text(row, problems)
+        seed = self._seed(row, problems)
+        size = self._size(row, problems)
+        image = image_uri = reference = None
+        if self.kind == "edit":
+            image, image_uri, problem = _load_image(row, "image", self.fetch, required=True)
+            problems += [problem] if problem else []
+            reference, _, problem = _load_image(row, "reference_image", self.fetch, required=False)
+            problems += [problem] if problem else []
+        return Job(id=job_id, row_index=index, kind=self.kind, text=text, image=image, image_uri=image_uri,
+                   reference_image=reference, seed=seed, size=size,
+                   error="; ".join(problems) if problems else None)
+
+    def _id(self, row: dict[str, Any], index: int, problems: list[str]) -> str:
+        raw = row.get("id") if "id" in row else f"row-{index:06d}"
+        job_id = "" if raw is None else str(raw)
         if not job_id.strip():
             problems.append("id is missing or empty")
-            job_id = f"row-{index:06d}"  # a name for the error row; the problem says why
-        elif job_id in seen:
-            problems.append(f"duplicate id {job_id!r} (first used by row {seen[job_id]})")
+            return f"row-{index:06d}"  # a name for the error row; the problem says why
+        if job_id in self.seen:
+            problems.append(f"duplicate id {job_id!r} (first used by row {self.seen[job_id]})")
         else:
-            seen[job_id] = index
+            self.seen[job_id] = index
+        return job_id
 
-        text = row.get(text_col)
+    def _text(self, row: dict[str, Any], problems: list[str]) -> str | None:
+        text = row.get(self.text_col)
         if text is None or not str(text).strip():
-            problems.append(f"{text_col} is missing or empty")
-            text = None if text is None else str(text)
-        else:
-            text = str(text)
-            if max_prompt_tokens is not None:
-                n = count_tokens(text)
-                if n > max_prompt_tokens:
-                    problems.append(f"{text_col} is {n} tokens, over the budget of {max_prompt_tokens}")
+            problems.append(f"{self.text_col} is missing or empty")
+            return None if text is None else str(text)
+        text = str(text)
+        if self.max_prompt_tokens is not None:
+            n = self.count_tokens(text)
+            if n > self.max_prompt_tokens:
+                problems.append(f"{self.text_col} is {n} tokens, over the budget of {self.max_prompt_tokens}")
+        return text
 
+    @staticmethod
+    def _seed(row: dict[str, Any], problems: list[str]) -> int | None:
         seed = row.get("seed")
-        if seed is not None:
-            try:
-                seed = int(seed)
-                if not 0 <= seed < 2**63:
-                    raise ValueError
-            except (TypeError, ValueError):
-                problems.append(f"seed {row.get('seed')!r} is not an integer in [0, 2**63)")
-                seed = None
+        if seed is None:
+            return None
+        try:
+            value = int(seed)
+            if 0 <= value < 2**63 and value == seed:
+                return value
+        except (TypeError, ValueError):
+            pass
+        problems.append(f"seed {seed!r} is not an integer in [0, 2**63)")
+        return None
 
+    def _size(self, row: dict[str, Any], problems: list[str]) -> str:
         size = row.get("size")
         size = "auto" if size is None or not str(size).strip() else str(size).strip().lower()
         try:
             wh = parse_size(size)
-            if wh is not None and not is_supported_size(*wh):
+            if wh is not None and not self.is_supported_size(*wh):
                 problems.append(f"size {size!r} is not supported")
         except ValueError as exc:
             problems.append(str(exc))
+        return size
 
-        image = image_uri = reference = None
-        if kind == "edit":
-            image, image_uri, problem = _load_image(row, "image", fetch, required=True)
-            if problem:
-                problems.append(problem)
-            reference, _, problem = _load_image(row, "reference_image", fetch, required=False)
-            if problem:
-                problems.append(problem)
 
-        job = Job(id=job_id, row_index=index, kind=kind, text=text, image=image, image_uri=image_uri,
-                  reference_image=reference, seed=seed, size=size,
-                  error="; ".join(problems) if problems else None)
-        (errors if problems else valid).append(job)
-    return valid, errors
+def validate_rows(rows: Sequence[dict[str, Any]], kind: str, *, start_index: int = 0,
+                  **options: Any) -> tuple[list[Job], list[Job]]:
+    """Validate rows (dicts as from `Table.to_pylist()`); returns (valid, errors).
+
+    Every input row ends in exactly one of the two lists. Options: see RowValidator.
+    """
+    check = RowValidator(kind, **options)
+    jobs = [check(row, start_index + i) for i, row in enumerate(rows)]
+    return [j for j in jobs if j.ok], [j for j in jobs if not j.ok]
 
 
 def _load_image(row: dict[str, Any], name: str, fetch: Callable[[str], bytes],
@@ -351,10 +404,18 @@ def _load_image(row: dict[str, Any], name: str, fetch: Callable[[str], bytes],
     return data, (str(uri) if uri else None), _image_problem(data, name)
 
 
-def validate_dataset(dataset: RawDataset, kind: str, **options: Any) -> tuple[list[Job], list[Job]]:
-    """Check columns, then validate every row (images by URI resolved against the dataset)."""
-    check_columns(dataset.table, kind)
-    return validate_rows(dataset.table.to_pylist(), kind, fetch=_ImageFetcher(dataset.base), **options)
+def iter_jobs(source: DatasetSource, kind: str, batch_size: int = 256, **options: Any) -> Iterator[Job]:
+    """Stream the dataset's rows as Jobs (valid or not), in dataset order."""
+    check_columns(source, kind)
+    check = RowValidator(kind, fetch=_ImageFetcher(source.base), **options)
+    for index, row in enumerate(source.iter_rows(batch_size)):
+        yield check(row, index)
+
+
+def validate_dataset(source: DatasetSource, kind: str, **options: Any) -> tuple[list[Job], list[Job]]:
+    """All of `iter_jobs` in memory, split into (valid, errors)."""
+    jobs = list(iter_jobs(source, kind, **options))
+    return [j for j in jobs if j.ok], [j for j in jobs if not j.ok]
 
 
 # ---------------------------------------------------------------------------------------- sharding
@@ -397,6 +458,14 @@ def read_parquet_bytes(data: bytes) -> pa.Table:
     return pq.read_table(io.BytesIO(data))
 
 
-def ids_digest(ids: Iterable[str]) -> str:
-    """Order-sensitive digest of a list of ids (for manifests)."""
-    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
+class IdsDigest:
+    """Order-sensitive digest of a sequence of ids, built incrementally (for manifests)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def update(self, row_id: str) -> None:
+        self._h.update(json.dumps(row_id).encode() + b"\n")
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()

@@ -17,6 +17,7 @@ S3 settings come from the environment unless passed in: endpoint from `ARDIT_S3_
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
@@ -84,6 +85,23 @@ class ObjectStore(ABC):
         """Delete one key; deleting a missing key is not an error."""
 
     @abstractmethod
+    def size(self, key: str) -> int:
+        """Object size in bytes; raises ObjectNotFoundError."""
+
+    @abstractmethod
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes from offset `start` (fewer at the end of the object)."""
+
+    @abstractmethod
+    def content_id(self, key: str) -> str:
+        """A string that changes when the object's content changes (local: sha256; S3: ETag + size)."""
+
+    def open_reader(self, key: str) -> io.RawIOBase:
+        """A seekable read-only file over the object, fetching only the ranges read (so pyarrow
+        can read a Parquet footer or one row group without downloading the whole file)."""
+        return RangeReader(self, key)
+
+    @abstractmethod
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None: ...
 
     @abstractmethod
@@ -113,6 +131,40 @@ class ObjectStore(ABC):
         return self.get_bytes(key).decode("utf-8")
 
 
+class RangeReader(io.RawIOBase):
+    """Seekable file interface over `ObjectStore.get_range`."""
+
+    def __init__(self, store: ObjectStore, key: str):
+        super().__init__()
+        self.store, self.key = store, key
+        self.length = store.size(key)
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), self.length - self.pos)
+        if want <= 0:
+            return 0
+        data = self.store.get_range(self.key, self.pos, want)
+        n = len(data)
+        memoryview(buffer)[:n] = data
+        self.pos += n
+        return n
+
+
 class LocalObjectStore(ObjectStore):
     """A directory. Writes go to a temp file in the target directory, then `os.replace` (atomic)."""
 
@@ -134,8 +186,14 @@ class LocalObjectStore(ObjectStore):
 
     def _atomic_write(self, key: str, write: Any) -> None:
         target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=target.parent)
+        for attempt in range(3):  # a concurrent delete() may remove the emptied parent dir
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=target.parent)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)
@@ -166,6 +224,32 @@ class LocalObjectStore(ObjectStore):
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectNotFoundError(f"no object {self.url(key)}")
+        return path.stat().st_size
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFoundError(f"no object {self.url(key)}") from None
+
+    def open_reader(self, key: str) -> io.RawIOBase:
+        if not self.exists(key):
+            raise ObjectNotFoundError(f"no object {self.url(key)}")
+        return open(self._path(key), "rb", buffering=0)
+
+    def content_id(self, key: str) -> str:
+        digest = hashlib.sha256()
+        with self.open_reader(key) as f:
+            for block in iter(lambda: f.read(8 * MiB), b""):
+                digest.update(block)
+        return digest.hexdigest()
 
     def list(self, prefix: str = "") -> list[str]:
         # Walk only the directory the prefix points into, then filter by string prefix.
@@ -301,8 +385,11 @@ class S3ObjectStore(ObjectStore):
             raise self._error(op, key, exc) from exc
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        # upload_fileobj switches to multipart above the threshold; a multipart upload becomes
-        # visible only when completed, and s3transfer aborts it on failure, so no partial object.
+        if len(data) < self.multipart_threshold:  # one PutObject: atomic, retried by botocore
+            self._call("put", key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
+            return
+        # Managed multipart upload: the object appears only when the upload completes, and
+        # s3transfer aborts the upload on failure, so there is never a partial object.
         self._call("put", key, self.client.upload_fileobj, io.BytesIO(data), self.bucket, self._key(key),
                    Config=self._transfer_config())
 
@@ -321,12 +408,29 @@ class S3ObjectStore(ObjectStore):
         self._call("get", key, self.client.download_file, self.bucket, self._key(key), os.fspath(path),
                    Config=self._transfer_config())
 
+    def _head(self, key: str) -> dict[str, Any]:
+        return self._call("head", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+
     def exists(self, key: str) -> bool:
         try:
-            self._call("head", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+            self._head(key)
             return True
         except ObjectNotFoundError:
             return False
+
+    def size(self, key: str) -> int:
+        return int(self._head(key)["ContentLength"])
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        resp = self._call("get", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key),
+                          Range=f"bytes={start}-{start + length - 1}")
+        return self._call("get", key, resp["Body"].read)
+
+    def content_id(self, key: str) -> str:
+        head = self._head(key)
+        return f"etag:{head['ETag'].strip(chr(34))}:size:{head['ContentLength']}"
 
     def list(self, prefix: str = "") -> list[str]:
         full = join_key(self.prefix, prefix) if prefix else (self.prefix + "/" if self.prefix else "")

@@ -11,23 +11,32 @@ conflict (a run id names one dataset).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import itertools
+import os
+import tempfile
+from typing import Any, Callable, Iterator
+
+import pyarrow.parquet as pq
 
 from components.data.datasets import (
     DEFAULT_MAX_PROMPT_TOKENS,
+    SHARD_SCHEMA,
+    DatasetError,
+    IdsDigest,
+    Job,
     default_is_supported_size,
-    ids_digest,
+    iter_jobs,
     jobs_to_table,
     read_dataset,
-    split_into_shards,
+    shard_ranges,
     utf8_bytes,
-    validate_dataset,
 )
 from components.data.runs import RunLayout, utc_now
 
 MANIFEST_VERSION = 1
 # What must match for a re-run to be the same sharding.
 _IDENTITY = ("dataset", "dataset_fingerprint", "kind", "num_shards", "max_prompt_tokens")
+WRITE_BATCH = 256  # rows per Parquet row group in shard files
 
 
 class ShardConflictError(RuntimeError):
@@ -49,8 +58,8 @@ def run(
     if num_shards < 1:
         raise ValueError(f"--num-shards must be >= 1, got {num_shards}")
     layout = RunLayout.open(output, run_id)
-    raw = read_dataset(dataset)
-    identity = {"dataset": str(dataset), "dataset_fingerprint": raw.fingerprint, "kind": kind,
+    source = read_dataset(dataset)  # footers only; rows are streamed below
+    identity = {"dataset": str(dataset), "dataset_fingerprint": source.fingerprint, "kind": kind,
                 "num_shards": num_shards, "max_prompt_tokens": max_prompt_tokens}
 
     existing = layout.read_json(layout.manifest_key)
@@ -62,32 +71,48 @@ def run(
                                      f"differently ({details}); use a new run id")
         return existing  # same inputs: nothing to do
 
-    valid, errors = validate_dataset(raw, kind, count_tokens=count_tokens, max_prompt_tokens=max_prompt_tokens,
-                                     is_supported_size=is_supported_size)
-    shards = split_into_shards(valid + errors, num_shards)
-    entries = []
-    for k, jobs in enumerate(shards):
-        layout.write_table(layout.input_key(k), jobs_to_table(jobs))
-        entries.append({
-            "shard": k,
-            "key": layout.input_key(k),
-            "rows": len(jobs),
-            "errors": sum(not j.ok for j in jobs),
-            "first_row": jobs[0].row_index if jobs else None,
-            "last_row": jobs[-1].row_index if jobs else None,
-            "ids_sha256": ids_digest(j.id for j in jobs),
-        })
+    jobs = iter_jobs(source, kind, count_tokens=count_tokens, max_prompt_tokens=max_prompt_tokens,
+                     is_supported_size=is_supported_size)
+    # Shards are contiguous ranges, so they are written one after the other while streaming.
+    entries = [_write_shard(layout, k, itertools.islice(jobs, stop - start))
+               for k, (start, stop) in enumerate(shard_ranges(source.num_rows, num_shards))]
+    if sum(e["rows"] for e in entries) != source.num_rows or next(jobs, None) is not None:
+        raise DatasetError(f"dataset {dataset} changed while being sharded; no manifest written, re-run")
     manifest = {
         "version": MANIFEST_VERSION,
         "run_id": run_id,
         **identity,
-        "dataset_files": raw.files,
-        "num_rows": raw.table.num_rows,
-        "num_valid": len(valid),
-        "num_errors": len(errors),
-        "ids_derived": "id" not in raw.table.column_names,
+        "dataset_files": source.files,
+        "num_rows": source.num_rows,
+        "num_valid": sum(e["rows"] - e["errors"] for e in entries),
+        "num_errors": sum(e["errors"] for e in entries),
+        "ids_derived": not source.has_ids,
         "shards": entries,
         "created": utc_now(),
     }
     layout.write_json(layout.manifest_key, manifest)  # last: its presence means "inputs complete"
     return manifest
+
+
+def _write_shard(layout: RunLayout, k: int, jobs: Iterator[Job]) -> dict[str, Any]:
+    """Stream one shard's jobs into a local Parquet file, then upload it (atomically) in one go."""
+    rows = errors = 0
+    first = last = None
+    ids = IdsDigest()
+    fd, tmp = tempfile.mkstemp(suffix=".parquet")
+    os.close(fd)
+    try:
+        with pq.ParquetWriter(tmp, SHARD_SCHEMA) as writer:
+            while batch := list(itertools.islice(jobs, WRITE_BATCH)):
+                writer.write_table(jobs_to_table(batch))
+                for job in batch:
+                    ids.update(job.id)
+                    errors += not job.ok
+                first = batch[0].row_index if first is None else first
+                last = batch[-1].row_index
+                rows += len(batch)
+        layout.store.put_file(layout.input_key(k), tmp)
+    finally:
+        os.unlink(tmp)
+    return {"shard": k, "key": layout.input_key(k), "rows": rows, "errors": errors,
+            "first_row": first, "last_row": last, "ids_sha256": ids.hexdigest()}
