@@ -9,13 +9,14 @@ lets the CronWorkflow bind ``run_id`` to its scheduled time. hera is imported in
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pipeline.cluster import KV_STORE_FROM_CONFIGMAP, POD_IP_ENV, S3_SECRET_KEYS, ClusterSettings, Pool
-from pipeline.cluster import step_args, step_command
+from pipeline.cluster import DEFAULT_NO_RETRY_EXIT_CODES, KV_STORE_FROM_CONFIGMAP, NO_RETRY_EXIT_CODES, POD_IP_ENV
+from pipeline.cluster import S3_SECRET_KEYS, SWEEP_OUTPUT, SWEEP_SPEC, ClusterSettings, Pool, step_args, step_command
 
-TEMPLATES = {"batch_edit": "ardit-batch-edit", "generate_dataset": "ardit-generate-dataset"}
+TEMPLATES = {"batch_edit": "ardit-batch-edit", "generate_dataset": "ardit-generate-dataset",
+             "accuracy_sweep": "ardit-accuracy-sweep"}
 CRON_NAME = "ardit-generate-dataset-cron"
 # Same slot -> same run id, so a re-run (or `argo retry`) of a scheduled slot resumes its run
 # instead of starting a new one. workflow.scheduledTime is RFC 3339 (2026-11-22T02:00:00Z); run ids
@@ -23,15 +24,23 @@ CRON_NAME = "ardit-generate-dataset-cron"
 # scheduled-20261122T020000Z.
 CRON_RUN_ID_KEEP = "[^0-9A-Za-z]"
 CRON_RUN_ID = "scheduled-{{=sprig.regexReplaceAll('%s', workflow.scheduledTime, '')}}" % CRON_RUN_ID_KEEP
-# Not retried: exit code 2 is a usage error (bad arguments), which no retry can fix.
-RETRY_WHEN = "lastRetry.status == 'Error' or (lastRetry.status == 'Failed' and asInt(lastRetry.exitCode) != 2)"
+
+
+def retry_when(step: str) -> str:
+    """Retry pod errors (eviction, node loss) and failures, except the exit codes no retry can fix."""
+    codes = ", ".join(map(str, NO_RETRY_EXIT_CODES.get(step, DEFAULT_NO_RETRY_EXIT_CODES)))
+    return f"lastRetry.status == 'Error' or (lastRetry.status == 'Failed' and asInt(lastRetry.exitCode) not in [{codes}])"
+
 
 _STEP_INPUTS = {
     "shard": ("dataset", "output", "run_id", "num_shards", "kind"),
     "ar": ("output", "run_id", "shard", "model", "kv_store"),
     "dit": ("output", "run_id", "shard", "model", "kv_store", "steps", "guidance"),
     "summary": ("output", "run_id"),
+    "sweep": ("sweep_id",),
 }
+# Values fixed by the cluster layout rather than passed per run.
+_STEP_FIXED = {"sweep": {"spec": SWEEP_SPEC, "output": SWEEP_OUTPUT}}
 _RUN_VALUES = ("output", "run_id", "model", "kv_store", "steps", "guidance")
 
 
@@ -47,14 +56,14 @@ def workflow_parameters(settings: ClusterSettings, with_run_id: bool = True) -> 
     return params
 
 
-def _step(step: str, image: str, pool: Pool, s: ClusterSettings) -> Any:
+def _step(step: str, image: str, pool: Pool, s: ClusterSettings, volume_mounts: list[Any] | None = None) -> Any:
     """A container template running one step program with its pool, credentials and retries."""
     from hera.workflows import ConfigMapEnvFrom, Container, ExistingVolume, Parameter, Resources, RetryStrategy
     from hera.workflows import FieldEnv, SecretEnv
     from hera.workflows import models as m
 
     inputs = _STEP_INPUTS[step]
-    values = {n: "{{inputs.parameters.%s}}" % n for n in inputs}
+    values = {n: "{{inputs.parameters.%s}}" % n for n in inputs} | _STEP_FIXED.get(step, {})
     uses_weights = bool(s.weights_pvc and pool.gpus)
     return Container(
         name=step,
@@ -72,8 +81,9 @@ def _step(step: str, image: str, pool: Pool, s: ClusterSettings) -> Any:
         env_from=[ConfigMapEnvFrom(name=s.endpoints_config_map, optional=True)],
         volumes=[ExistingVolume(name="weights", claim_name=s.weights_pvc, mount_path=s.weights_path,
                                 read_only=True)] if uses_weights else None,
+        volume_mounts=volume_mounts,
         # Steps skip committed work, so a retry resumes rather than redoes.
-        retry_strategy=RetryStrategy(limit=s.retries, retry_policy="Always", expression=RETRY_WHEN,
+        retry_strategy=RetryStrategy(limit=s.retries, retry_policy="Always", expression=retry_when(step),
                                      backoff=m.Backoff(duration=s.backoff, factor=s.backoff_factor,
                                                        max_duration=s.backoff_max)),
     )
@@ -129,14 +139,38 @@ def _arguments(params: dict[str, str | None]) -> list[Any]:
 
 
 def workflow_template(pipeline: str, settings: ClusterSettings | None = None) -> Any:
-    """The WorkflowTemplate of ``pipeline`` ("batch_edit" or "generate_dataset")."""
+    """The WorkflowTemplate of ``pipeline`` ("batch_edit", "generate_dataset" or "accuracy_sweep")."""
     from hera.workflows import WorkflowTemplate
 
+    if pipeline == "accuracy_sweep":
+        return accuracy_sweep_template(settings)
     s = settings or ClusterSettings()
     kind = {"batch_edit": "edit", "generate_dataset": "generate"}[pipeline]
     with WorkflowTemplate(name=TEMPLATES[pipeline], arguments=_arguments(workflow_parameters(s)),
                           **_spec(s)) as wt:
         _declare_templates(kind, "{{workflow.parameters.run_id}}", s)
+    return wt
+
+
+def accuracy_sweep_template(settings: ClusterSettings | None = None) -> Any:
+    """One GPU step running an accuracy sweep: spec from a ConfigMap, results on the sweeps PVC."""
+    from hera.workflows import DAG, WorkflowTemplate
+    from hera.workflows import models as m
+
+    s = settings or ClusterSettings()
+    params = {"sweep_id": None, "spec_config_map": "ardit-sweep-spec", "gpu_image": s.gpu_image}
+    volumes = [
+        # Argo substitutes workflow parameters in spec.volumes, so the spec ConfigMap is per run.
+        m.Volume(name="sweep-spec", config_map=m.ConfigMapVolumeSource(name="{{workflow.parameters.spec_config_map}}")),
+        m.Volume(name="sweeps", persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(claim_name=s.sweep_pvc)),
+    ]
+    with WorkflowTemplate(name=TEMPLATES["accuracy_sweep"], arguments=_arguments(params), volumes=volumes,
+                          **_spec(s)) as wt:
+        mounts = [m.VolumeMount(name="sweep-spec", mount_path=str(PurePosixPath(SWEEP_SPEC).parent), read_only=True),
+                  m.VolumeMount(name="sweeps", mount_path=SWEEP_OUTPUT)]
+        sweep = _step("sweep", "{{workflow.parameters.gpu_image}}", s.dit_pool, s, volume_mounts=mounts)
+        with DAG(name="main"):
+            sweep(name="sweep", arguments={"sweep_id": "{{workflow.parameters.sweep_id}}"})
     return wt
 
 

@@ -13,9 +13,14 @@ from typing import Any, Optional
 
 import typer
 
+from pipeline.kfp_pipelines import PIPELINES  # a light module: kfp is imported inside its functions
+
 app = typer.Typer(help="Compile, submit and run the batch pipelines.", no_args_is_help=True)
 
-PIPELINES = ("batch_edit", "generate_dataset")
+
+# Parameters without a default, per pipeline (run_id is generated when absent).
+REQUIRED = {"batch_edit": {"dataset", "output"}, "generate_dataset": {"dataset", "output"},
+            "accuracy_sweep": {"sweep_id"}}
 
 
 class Engine(str, Enum):
@@ -97,7 +102,8 @@ def _submit_kfp(pipeline: str, params: dict[str, str], host: str, token: Optiona
             with warnings.catch_warnings():  # kfp warns on every Client() that it needs a v2 backend
                 warnings.simplefilter("ignore", FutureWarning)
                 client = kfp.Client(host=host, existing_token=token, namespace=namespace)
-            run = client.create_run_from_pipeline_package(package, arguments=arguments, run_name=params["run_id"],
+            run_name = params.get("run_id") or params.get("sweep_id")
+            run = client.create_run_from_pipeline_package(package, arguments=arguments, run_name=run_name,
                                                           experiment_name=experiment, namespace=namespace)
         except urllib3.exceptions.HTTPError as e:
             raise SystemExit(f"error: cannot reach the KFP API at {host}: {getattr(e, 'reason', e)}") from e
@@ -111,10 +117,10 @@ def submit_cmd(
     engine: Engine = typer.Option(..., "--engine", help="kfp or argo"),
     host: str = typer.Option(..., "--host", help="KFP API (e.g. http://ml-pipeline-ui.kubeflow) or Argo server "
                                                  "(e.g. https://argo-server.argo:2746) URL"),
-    pipeline: str = typer.Option("batch_edit", "--pipeline", help="batch_edit or generate_dataset"),
+    pipeline: str = typer.Option("batch_edit", "--pipeline", help="batch_edit, generate_dataset or accuracy_sweep"),
     param: list[str] = typer.Option([], "-p", "--param", help="pipeline parameter KEY=VALUE (repeatable): dataset, "
                                     "output, run_id, num_shards, model, kv_store, steps, guidance, gpu_image, "
-                                    "tools_image"),
+                                    "tools_image; accuracy_sweep: sweep_id, spec_config_map, gpu_image"),
     token: Optional[str] = typer.Option(None, "--token", envvar="ARDIT_SUBMIT_TOKEN", help="bearer token"),
     namespace: str = typer.Option("ardit", "--namespace", help="namespace (KFP: multi-user profile namespace)"),
     experiment: str = typer.Option("ardit", "--experiment", help="KFP experiment name"),
@@ -125,9 +131,10 @@ def submit_cmd(
     if pipeline not in PIPELINES:
         raise typer.BadParameter(f"{pipeline!r} is not one of {PIPELINES}", param_hint="--pipeline")
     params = parse_params(param)
-    # Each run gets its own id unless the caller resumes one by passing it again.
-    params.setdefault("run_id", time.strftime("ardit-%Y%m%d-%H%M%S", time.gmtime()))
-    missing = {"dataset", "output"} - set(params)
+    if pipeline != "accuracy_sweep":
+        # Each run gets its own id unless the caller resumes one by passing it again.
+        params.setdefault("run_id", time.strftime("ardit-%Y%m%d-%H%M%S", time.gmtime()))
+    missing = REQUIRED[pipeline] - set(params)
     if missing:
         raise typer.BadParameter(f"missing required parameters: {sorted(missing)}", param_hint="-p/--param")
     if engine == Engine.kfp:
@@ -141,7 +148,8 @@ def submit_cmd(
             raise SystemExit(f"error: {e}") from e
     else:
         raise typer.BadParameter("choose kfp or argo", param_hint="--engine")
-    typer.echo(json.dumps({"engine": engine.value, "pipeline": pipeline, "run_id": params["run_id"], "name": name}))
+    typer.echo(json.dumps({"engine": engine.value, "pipeline": pipeline,
+                           "run_id": params.get("run_id") or params.get("sweep_id"), "name": name}))
 
 
 @app.command("run-local")

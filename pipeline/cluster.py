@@ -30,7 +30,16 @@ STEP_MODULES = {
     "ar": "components.ar",
     "dit": "components.dit",
     "summary": "components.summary",
+    "sweep": "components.sweep",
 }
+# Exit codes that no retry can fix: 2 is a usage / input error for every step; the sweep also
+# exits 1 when an accuracy gate fails (its result, not a fault).
+NO_RETRY_EXIT_CODES = {"sweep": (1, 2)}
+DEFAULT_NO_RETRY_EXIT_CODES = (2,)
+
+# The accuracy sweep reads its spec from a ConfigMap (key spec.yaml) and writes to a PVC.
+SWEEP_SPEC = "/spec/spec.yaml"
+SWEEP_OUTPUT = "/sweeps"
 
 
 def step_command(step: str) -> list[str]:
@@ -44,6 +53,9 @@ def step_args(step: str, **values: Any) -> list[Any]:
     ``weights=None`` leaves ``--weights`` out (the tiny model then uses a seeded random init).
     """
     v = values
+    if step == "sweep":
+        # --resume: a retried or re-submitted sweep keeps the configs that already finished.
+        return ["sweep", v["spec"], "--output", v["output"], "--sweep-id", v["sweep_id"], "--resume"]
     common = ["--output", v["output"], "--run-id", v["run_id"]]
     if step == "shard":
         return ["--dataset", v["dataset"], *common, "--num-shards", v["num_shards"], "--kind", v["kind"]]
@@ -99,6 +111,7 @@ class ClusterSettings:
     # Checkpoint on a PVC (mounted read-only at weights_path); None: no --weights (tiny model, random init).
     weights_pvc: str | None = None
     weights_path: str = "/weights"
+    sweep_pvc: str = "ardit-sweeps"
     max_parallel_shards: int = 4
     retries: int = 3
     backoff: str = "30s"

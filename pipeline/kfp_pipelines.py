@@ -8,12 +8,13 @@ ClusterSettings; per-run values are pipeline parameters. kfp is imported inside 
 
 # no `from __future__ import annotations`: kfp reads the component signatures as real types
 
+from pathlib import PurePosixPath
 from typing import Any, Callable
 
 from pipeline.cluster import ENDPOINT_KEYS, KV_STORE_FROM_CONFIGMAP, POD_IP_ENV, S3_SECRET_KEYS, ClusterSettings, Pool
-from pipeline.cluster import step_args, step_command
+from pipeline.cluster import SWEEP_OUTPUT, SWEEP_SPEC, step_args, step_command
 
-PIPELINES = ("batch_edit", "generate_dataset")
+PIPELINES = ("batch_edit", "generate_dataset", "accuracy_sweep")
 
 
 def _components(settings: ClusterSettings) -> dict[str, Any]:
@@ -48,10 +49,17 @@ def _components(settings: ClusterSettings) -> dict[str, Any]:
         return dsl.ContainerSpec(image=settings.tools_image, command=step_command("summary"),
                                  args=step_args("summary", output=output, run_id=run_id))
 
-    return {"shard_indices": shard_indices, "shard": shard, "ar": ar, "dit": dit, "summary": summary}
+    @dsl.container_component
+    def sweep(sweep_id: str):
+        return dsl.ContainerSpec(image=settings.gpu_image, command=step_command("sweep"),
+                                 args=step_args("sweep", spec=SWEEP_SPEC, output=SWEEP_OUTPUT, sweep_id=sweep_id))
+
+    return {"shard_indices": shard_indices, "shard": shard, "ar": ar, "dit": dit, "summary": summary,
+            "sweep": sweep}
 
 
-def _place(task: Any, pool: Pool, settings: ClusterSettings, image: Any, side_effects: bool = True) -> Any:
+def _place(task: Any, pool: Pool, settings: ClusterSettings, image: Any, side_effects: bool = True,
+           retry: bool = True) -> Any:
     """Resources, node pool, credentials, endpoints, retries and caching of one step task."""
     from kfp import kubernetes
 
@@ -73,8 +81,9 @@ def _place(task: Any, pool: Pool, settings: ClusterSettings, image: Any, side_ef
         kubernetes.mount_pvc(task, pvc_name=settings.weights_pvc, mount_path=settings.weights_path)
     # Steps write to the object store and skip committed work on re-run, so retrying is safe,
     # and a cached "success" would skip writes that a fresh run needs.
-    task.set_retry(num_retries=settings.retries, backoff_duration=settings.backoff,
-                   backoff_factor=settings.backoff_factor, backoff_max_duration=settings.backoff_max)
+    if retry:
+        task.set_retry(num_retries=settings.retries, backoff_duration=settings.backoff,
+                       backoff_factor=settings.backoff_factor, backoff_max_duration=settings.backoff_max)
     task.set_caching_options(False)
     return task
 
@@ -122,7 +131,18 @@ def build_pipelines(settings: ClusterSettings | None = None) -> dict[str, Callab
                               num_shards=num_shards, model=model, kv_store=kv_store, steps=steps,
                               guidance=guidance, gpu_image=gpu_image, tools_image=tools_image)
 
-    return {"batch_edit": batch_edit, "generate_dataset": generate_dataset}
+    @dsl.pipeline(name="ardit-accuracy-sweep",
+                  description="Run an accuracy sweep (spec from a ConfigMap, results on the sweeps PVC)")
+    def accuracy_sweep(sweep_id: str, spec_config_map: str = "ardit-sweep-spec", gpu_image: str = s.gpu_image):
+        from kfp import kubernetes
+
+        # No retry: KFP retries any failure, and the sweep exits 1 when a gate fails (a result).
+        task = _place(c["sweep"](sweep_id=sweep_id), s.dit_pool, s, gpu_image, retry=False).set_display_name("sweep")
+        kubernetes.use_config_map_as_volume(task, config_map_name=spec_config_map,
+                                            mount_path=str(PurePosixPath(SWEEP_SPEC).parent))
+        kubernetes.mount_pvc(task, pvc_name=s.sweep_pvc, mount_path=SWEEP_OUTPUT)
+
+    return {"batch_edit": batch_edit, "generate_dataset": generate_dataset, "accuracy_sweep": accuracy_sweep}
 
 
 def compile_pipelines(out_dir: str, settings: ClusterSettings | None = None) -> list[str]:

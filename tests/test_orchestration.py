@@ -109,6 +109,24 @@ def test_kfp_pools_and_weights_follow_settings(tmp_path):
     assert spec["root"]["dag"]["tasks"]["for-loop-1"]["iteratorPolicy"]["parallelismLimit"] == 7
 
 
+def test_kfp_accuracy_sweep(kfp_dir):
+    from pipeline.cluster import SWEEP_OUTPUT
+
+    spec, k8s = _kfp_docs(kfp_dir / "accuracy_sweep.yaml")
+    assert set(spec["root"]["dag"]["tasks"]) == {"sweep"}
+    task = spec["root"]["dag"]["tasks"]["sweep"]
+    assert "retryPolicy" not in task  # KFP would retry a failed accuracy gate (exit 1) as well
+    c = spec["deploymentSpec"]["executors"]["exec-sweep"]["container"]
+    assert c["command"] == ["python", "-m", "components.sweep"]
+    assert c["args"][:2] == ["sweep", "/spec/spec.yaml"] and "--resume" in c["args"]
+    assert c["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
+    ex = k8s["exec-sweep"]
+    assert ex["configMapAsVolume"][0]["mountPath"] == "/spec"
+    assert ex["configMapAsVolume"][0]["configMapNameParameter"]["componentInputParameter"] == "spec_config_map"
+    assert ex["pvcMount"][0]["mountPath"] == SWEEP_OUTPUT
+    assert ex["pvcMount"][0]["constant"] == ClusterSettings().sweep_pvc
+
+
 def test_shard_indices_helper_lists_every_shard(kfp_dir, tmp_path):
     """The inline helper that feeds ParallelFor really prints 0..N-1."""
     spec, _ = _kfp_docs(kfp_dir / "batch_edit.yaml")
@@ -218,6 +236,27 @@ def test_argo_cron(argo_docs):
     assert {"name": "kind", "value": "generate"} in main["shard"]["arguments"]["parameters"]
 
 
+def test_argo_accuracy_sweep(argo_docs):
+    from hera.workflows import models as m
+
+    doc = argo_docs["ardit-accuracy-sweep.yaml"]
+    _roundtrip_equal(doc, m.WorkflowTemplate)
+    spec = doc["spec"]
+    t = _templates(spec)
+    assert [x["template"] for x in t["main"]["dag"]["tasks"]] == ["sweep"]
+    sweep = t["sweep"]
+    assert sweep["container"]["command"] == ["python", "-m", "components.sweep"]
+    assert "not in [1, 2]" in sweep["retryStrategy"]["expression"]  # a failed gate is a result, not a fault
+    assert sweep["container"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    mounts = {v["name"]: v["mountPath"] for v in sweep["container"]["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert mounts == {"sweep-spec": "/spec", "sweeps": "/sweeps"}
+    assert volumes["sweep-spec"]["configMap"]["name"] == "{{workflow.parameters.spec_config_map}}"
+    assert volumes["sweeps"]["persistentVolumeClaim"]["claimName"] == "ardit-sweeps"
+    pvcs = [d for _, d in _manifest_docs("objects") if d["kind"] == "PersistentVolumeClaim"]
+    assert [p["metadata"]["name"] for p in pvcs] == ["ardit-sweeps"]
+
+
 def test_committed_argo_renders_equal_generated():
     from pipeline.argo import render_all
 
@@ -233,7 +272,8 @@ def test_compile_command_writes_both_engines(tmp_path):
 
     result = CliRunner().invoke(app, ["compile", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "kfp").iterdir()) == ["batch_edit.yaml", "generate_dataset.yaml"]
+    assert sorted(p.name for p in (tmp_path / "kfp").iterdir()) == ["accuracy_sweep.yaml", "batch_edit.yaml",
+                                                                   "generate_dataset.yaml"]
     assert sorted(p.name for p in (tmp_path / "argo").iterdir()) == sorted(
         p.name for p in (MANIFESTS / "base" / "argo").iterdir())
 
@@ -402,6 +442,17 @@ def test_shard_and_summary_accept_the_wired_command_lines(tmp_path):
         done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
         assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "r1" / "summary.json").exists()
+
+
+def test_sweep_accepts_the_wired_command_line(tmp_path):
+    spec = REPO / "examples" / "sweeps" / "tiny.yaml"
+    if not spec.exists():
+        pytest.skip("no example sweep spec")
+    argv = step_args("sweep", spec=str(spec), output=str(tmp_path), sweep_id="s1")
+    done = subprocess.run([sys.executable, *step_command("sweep")[1:], *argv, "--dry-run"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "configs" in done.stdout
 
 
 def test_cluster_settings_from_yaml(tmp_path):
