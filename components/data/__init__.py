@@ -1,9 +1,12 @@
 """Data plane: job datasets, object storage, run layout and the shard commit protocol."""
 
 from .datasets import (
-    DatasetError,
-    Job,
     SHARD_SCHEMA,
+    DatasetError,
+    DatasetSource,
+    Job,
+    RowValidator,
+    iter_jobs,
     parse_size,
     read_dataset,
     shard_ranges,
@@ -21,8 +24,9 @@ from .objectstore import (
 from .runs import ROWS_SCHEMA, CoverageError, RunLayout, ShardNotReadyError, ShardWriter, check_coverage, row_key
 
 __all__ = [
-    "DatasetError", "Job", "SHARD_SCHEMA", "parse_size", "read_dataset", "shard_ranges", "validate_dataset",
-    "validate_rows", "LocalObjectStore", "ObjectNotFoundError", "ObjectStore", "ObjectStoreError",
-    "S3ObjectStore", "open_object_store", "ROWS_SCHEMA", "CoverageError", "RunLayout", "ShardNotReadyError",
-    "ShardWriter", "check_coverage", "row_key",
+    "SHARD_SCHEMA", "DatasetError", "DatasetSource", "Job", "RowValidator", "iter_jobs", "parse_size",
+    "read_dataset", "shard_ranges", "validate_dataset", "validate_rows",
+    "LocalObjectStore", "ObjectNotFoundError", "ObjectStore", "ObjectStoreError", "S3ObjectStore",
+    "open_object_store",
+    "ROWS_SCHEMA", "CoverageError", "RunLayout", "ShardNotReadyError", "ShardWriter", "check_coverage", "row_key",
 ]

@@ -14,8 +14,12 @@ Edit dataset columns (one row = one edit job):
     size             string   optional: "auto" (default) or "WIDTHxHEIGHT", e.g. "1024x1024"
 Generation dataset columns: id (optional, as above), prompt (required), seed, size.
 
-`validate_rows` returns `(valid, errors)`: every input row lands in exactly one list; an error
-row keeps its id and position and says what is wrong ("image is not a decodable image: ...").
+`read_dataset(uri)` opens the files (footers only); `iter_jobs` streams the rows through a
+`RowValidator`, one Job per row, valid or carrying `error` ("image is not a decodable image: ...",
+"instruction is 5000 tokens, over the budget of 4096", "size '1000x999' is not supported",
+"duplicate id 'a' (first used by row 3)", ...). `validate_rows` / `validate_dataset` return
+`(valid, errors)`: every input row lands in exactly one list, keeping its id and position.
+The AR step can re-check rows with the real tokenizer: `RowValidator(kind, count_tokens=...)`.
 """
 
 from __future__ import annotations
@@ -163,7 +167,7 @@ class DatasetSource:
         return all("id" in cols for cols in self.file_columns)
 
     def iter_rows(self, batch_size: int = 256) -> Iterator[dict[str, Any]]:
-        for key, expected in zip(self.keys, self.row_counts):
+        for key, expected in zip(self.keys, self.row_counts, strict=True):
             seen = 0
             with self.base.open_reader(key) as f:
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_size):
@@ -222,7 +226,7 @@ def check_columns(source: DatasetSource, kind: str) -> None:
     if kind not in KINDS:
         raise DatasetError(f"unknown dataset kind {kind!r} (expected one of {', '.join(KINDS)})")
     need = TEXT_COLUMN[kind]
-    for url, cols in zip(source.files, source.file_columns):
+    for url, cols in zip(source.files, source.file_columns, strict=True):
         if need not in cols:
             raise DatasetError(f"{kind} dataset file {url} has no {need!r} column (columns: {sorted(cols)})")
         if kind == "edit" and not set(cols) & {"image", "image_uri"}:

@@ -374,7 +374,8 @@ class S3ObjectStore(ObjectStore):
                 + f" after {retries + 1} attempt(s) [endpoint {self.endpoint_url or 'AWS'}]"
             )
             return ObjectStoreError(msg)
-        return ObjectStoreError(f"S3 {op} {where} failed: {type(exc).__name__}: {exc} [endpoint {self.endpoint_url or 'AWS'}]")
+        endpoint = self.endpoint_url or "AWS"
+        return ObjectStoreError(f"S3 {op} {where} failed: {type(exc).__name__}: {exc} [endpoint {endpoint}]")
 
     def _call(self, op: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         from botocore.exceptions import BotoCoreError, ClientError

@@ -52,7 +52,7 @@ def draw_scene(size: int, rng: random.Random) -> bytes:
     horizon = int(size * rng.uniform(0.55, 0.75))
     for y in range(horizon):  # sky: vertical gradient
         t = y / max(1, horizon - 1)
-        draw.line([(0, y), (size, y)], fill=tuple(int(a + (b - a) * t) for a, b in zip(top, bottom)))
+        draw.line([(0, y), (size, y)], fill=tuple(int(a + (b - a) * t) for a, b in zip(top, bottom, strict=True)))
     ground = (rng.randint(30, 90), rng.randint(110, 170), rng.randint(30, 80))
     draw.rectangle([0, horizon, size, size], fill=ground)
     r = size // rng.randint(8, 12)
