@@ -1,0 +1,195 @@
+"""One store suite, run against the local backend (no servers) and a real Mooncake store
+(`servers`: master + metadata server + segment holder on 127.0.0.1, loopback-only namespace)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.kvstore import GetResult, open_store
+from tests.fixtures_mooncake import mooncake_servers, mooncake_url  # noqa: F401
+from tests.test_kvstore_payload import assert_same, make_kv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=["local", pytest.param("mooncake", marks=pytest.mark.servers)])
+def store_url(request, tmp_path):
+    if request.param == "local":
+        return f"local://{tmp_path}/kv"
+    # small parts so multi-part payloads and the batch calls are exercised by tiny tensors
+    return request.getfixturevalue("mooncake_url") + "&part=1MB&timeout=20"
+
+
+@pytest.fixture
+def store(store_url):
+    s = open_store(store_url)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def run():
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+def raw_keys(store) -> list[str]:
+    """Everything the backend holds (for mooncake: part objects too)."""
+    return store.raw_keys() if hasattr(store, "raw_keys") else store.keys()
+
+
+def ours(store, run) -> list[str]:
+    return [k for k in raw_keys(store) if k.startswith(run)]
+
+
+def run_py(code: str, *args: str) -> str:
+    """Run `code` in a fresh Python process (its own mooncake client) and return its stdout."""
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, f"child failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    return p.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_put_get_roundtrip(store, run, dtype):
+    kv = make_kv(dtype, layers=4, tokens=300, heads=4, head_dim=64)  # ~0.6-1.2 MB: 1-2 parts
+    key = f"{run}/0/5"
+    assert not store.exists(key)
+    n = store.put(key, kv)
+    assert n > kv.nbytes() and store.exists(key)
+    r = store.get(key, "tiny", "cfg1")
+    assert r.ok and r.reason == "ok"
+    assert_same(kv, r.kv)
+    assert store.keys(run) == [key]
+    assert store.delete(key) and not store.exists(key)
+    assert ours(store, run) == []
+
+
+def test_producer_exits_then_another_process_gets_identical_bytes(store_url, run):
+    """AR-like producer puts and exits; a DiT-like consumer process reads the same bytes."""
+    key = f"{run}/3/7"
+    producer = """
+        import sys, torch
+        from components.kvstore import open_store
+        from tests.test_kvstore_payload import make_kv
+        s = open_store(sys.argv[1])
+        kv = make_kv(torch.bfloat16, layers=5, tokens=900, heads=4, head_dim=64, seed=7)  # ~4.6 MB
+        s.put(sys.argv[2], kv)
+        print("put", s.keys(sys.argv[2].split("/")[0]))
+    """
+    consumer = """
+        import hashlib, sys, torch
+        from components.kvstore import open_store
+        from tests.test_kvstore_payload import make_kv, assert_same
+        s = open_store(sys.argv[1])
+        r = s.get(sys.argv[2], "tiny", "cfg1")
+        assert r.ok, r.reason
+        assert_same(make_kv(torch.bfloat16, layers=5, tokens=900, heads=4, head_dim=64, seed=7), r.kv)
+        print(hashlib.sha256(s.get_bytes(sys.argv[2])).hexdigest())
+    """
+    assert run_py(producer, store_url, key) == f"put ['{key}']"
+    digest = run_py(consumer, store_url, key)
+    with open_store(store_url) as s:  # a third process's view: same bytes
+        assert hashlib.sha256(s.get_bytes(key)).hexdigest() == digest
+        assert s.delete_prefix(run) == 1
+        assert ours(s, run) == []
+
+
+def test_missing_key_is_absent_with_reason(store, run):
+    r = store.get(f"{run}/0/0")
+    assert isinstance(r, GetResult) and r.kv is None and r.code == "missing" and f"{run}/0/0" in r.reason
+    assert store.get_bytes(f"{run}/0/0") is None
+    assert not store.delete(f"{run}/0/0")
+
+
+def test_corrupted_payload_is_absent_with_reason(store, run):
+    kv = make_kv(torch.bfloat16, layers=3, tokens=400, heads=4, head_dim=64)
+    store.put(f"{run}/0/0", kv)
+    good = bytearray(store.get_bytes(f"{run}/0/0"))
+    bad = bytearray(good)
+    bad[-100] ^= 0x01  # one bit in the last V tensor
+    store.put(f"{run}/0/1", bytes(bad))
+    r = store.get(f"{run}/0/1", "tiny", "cfg1")
+    assert r.kv is None and r.code == "checksum_mismatch" and "v.2" in r.reason
+    hdr = bytearray(good)
+    hdr[80] ^= 0x01  # inside the JSON header
+    with pytest.raises(ValueError, match="not a KV payload"):
+        store.put(f"{run}/0/2", bytes(hdr))
+    store.put(f"{run}/0/2", bytes(hdr), check=False)
+    r = store.get(f"{run}/0/2")
+    assert r.kv is None and r.code == "corrupt" and "header_corrupt" in r.reason
+    assert store.get(f"{run}/0/0").ok  # the intact one still reads
+    assert store.delete_prefix(run) == 3 and ours(store, run) == []
+
+
+def test_wrong_model_or_config_is_absent_with_reason(store, run):
+    store.put(f"{run}/0/0", make_kv(model_id="tiny", config_hash="cfg1"))
+    r = store.get(f"{run}/0/0", expect_model_id="hunyuan-image-3")
+    assert r.kv is None and r.code == "model_mismatch" and "'tiny'" in r.reason
+    r = store.get(f"{run}/0/0", "tiny", "cfg2")
+    assert r.kv is None and r.code == "config_mismatch"
+    assert store.get(f"{run}/0/0", "tiny", "cfg1").ok
+    store.delete_prefix(run)
+
+
+def test_replace_keeps_only_the_new_payload(store, run):
+    key = f"{run}/1/1"
+    store.put(key, make_kv(tokens=500, heads=4, head_dim=64, seed=1))
+    new = make_kv(tokens=200, heads=4, head_dim=64, seed=2)
+    store.put(key, new)
+    assert_same(new, store.get(key).kv)
+    store.delete(key)
+    assert ours(store, run) == []
+
+
+def test_run_cleanup_leaves_no_keys_and_spares_other_runs(store, run):
+    other = run + "x"  # shares the string prefix, not the run
+    kv = make_kv()
+    for shard in range(2):
+        for row in range(3):
+            store.put(f"{run}/{shard}/{row}", kv)
+    store.put(f"{other}/0/0", kv)
+    assert store.exists_many([f"{run}/0/0", f"{run}/9/9", f"{other}/0/0"]) == [True, False, True]
+    assert len(store.keys(run)) == 6
+    assert store.delete(f"{run}/0/0")  # what the DiT does after committing an image
+    assert store.delete_prefix(run) == 5  # run-level cleanup
+    assert ours(store, run + "/") == [] and store.keys(run) == []
+    assert store.keys(other) == [f"{other}/0/0"]
+    store.delete_prefix(other)
+    assert ours(store, other) == []
+
+
+def test_expire_removes_only_old_payloads(store, run):
+    store.put(f"{run}/0/0", make_kv())
+    store.put(f"{run}/0/1", make_kv())
+    assert store.expire(3600) == 0 and len(store.keys(run)) == 2
+    with pytest.raises(ValueError, match="older_than_s"):
+        store.expire(-1)
+    assert store.expire(0) >= 2
+    assert ours(store, run) == []
+
+
+def test_health(store):
+    h = store.health()
+    assert h.ok, h.detail
+
+
+def test_local_temp_files_never_show_as_keys(tmp_path, run):
+    """Local only: a crashed writer's temp file is not a key and is expired with the orphans."""
+    s = open_store(str(tmp_path))
+    d = tmp_path / run / "0"
+    d.mkdir(parents=True)
+    tmp = d / ".tmp-1.kv.123.abcd"
+    tmp.write_bytes(b"partial")
+    os.utime(tmp, (1, 1))
+    assert s.keys() == [] and s.get(f"{run}/0/1").code == "missing"
+    s.expire(60)
+    assert not tmp.exists() and not (tmp_path / run).exists()
