@@ -7,7 +7,9 @@ Writes, next to the run:
 
 from __future__ import annotations
 
+import io
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import pyarrow.parquet as pq
 
 from components.evaluate.gates import Thresholds, records_to_table, summarize
 from components.evaluate.metrics import compare_runs
-from components.evaluate.runio import run_dir
+from components.evaluate.runio import fetch_run, is_remote, local_path, run_dir
 
 METRICS_FILE = "metrics.parquet"
 CONFIG_METRICS_FILE = "metrics_config.parquet"
@@ -30,9 +32,15 @@ def evaluate_run(
     *,
     write: bool = True,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Compare `run` with `ref_run` under `output`; returns (row records, config summary)."""
-    ref_dir, other_dir = run_dir(output, ref_run), run_dir(output, run)
-    rows = compare_runs(ref_dir, other_dir)
+    """Compare `run` with `ref_run` under `output` (a local directory or an object-store URI such
+    as s3://bucket/prefix); returns (row records, config summary)."""
+    if is_remote(output):
+        with tempfile.TemporaryDirectory(prefix="ardit-eval-") as tmp:
+            ref_dir, other_dir = fetch_run(str(output), ref_run, Path(tmp)), fetch_run(str(output), run, Path(tmp))
+            rows = compare_runs(ref_dir, other_dir)
+    else:
+        ref_dir, other_dir = run_dir(output, ref_run), run_dir(output, run)
+        rows = compare_runs(ref_dir, other_dir)
     for r in rows:
         r["run"] = run
         r["ref_run"] = ref_run
@@ -41,6 +49,17 @@ def evaluate_run(
     if thresholds is not None:
         summary["thresholds"] = json.dumps(thresholds.as_dict())
     if write:
-        pq.write_table(records_to_table(rows), other_dir / METRICS_FILE)
-        pq.write_table(pa.Table.from_pylist([summary]), other_dir / CONFIG_METRICS_FILE)
+        _write_table(output, f"{run}/{METRICS_FILE}", records_to_table(rows))
+        _write_table(output, f"{run}/{CONFIG_METRICS_FILE}", pa.Table.from_pylist([summary]))
     return rows, summary
+
+
+def _write_table(output: str | Path, key: str, table: pa.Table) -> None:
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    if is_remote(output):
+        from components.data.objectstore import open_object_store
+
+        open_object_store(str(output)).put_bytes(key, buf.getvalue())
+    else:
+        (local_path(output) / key).write_bytes(buf.getvalue())

@@ -25,14 +25,37 @@ def local_path(uri: str | Path) -> Path:
     if text.startswith("file://"):
         return Path(text[len("file://") :])
     if "://" in text:
-        raise ValueError(
-            f"{text}: only local run directories can be evaluated; copy the run locally first"
-        )
+        raise ValueError(f"{text}: not a local path (remote runs are fetched with fetch_run)")
     return Path(text)
 
 
 def run_dir(output: str | Path, run_id: str) -> Path:
     return local_path(output) / run_id
+
+
+def is_remote(uri: str | Path) -> bool:
+    text = str(uri)
+    return "://" in text and not text.startswith("file://")
+
+
+# Objects of a run that evaluation reads (AR records, per-row JSON and inputs are not needed).
+_FETCH_SUFFIXES = ("/rows.parquet", ".png", ".pt")
+
+
+def fetch_run(output: str, run_id: str, cache: Path) -> Path:
+    """Copy a run's rows.parquet, images and latents from an object store (s3://...) into `cache`,
+    keeping the keys, so `{cache}/{run_id}` is an ordinary local run directory."""
+    from components.data.objectstore import open_object_store
+
+    store = open_object_store(output)
+    keys = [k for k in store.list(f"{run_id}/shards/") if k.endswith(_FETCH_SUFFIXES)]
+    if not keys:
+        raise FileNotFoundError(f"no shards under {store.url(run_id)}")
+    for key in keys:
+        dest = cache.joinpath(*key.split("/"))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        store.get_file(key, dest)
+    return cache / run_id
 
 
 @dataclass
