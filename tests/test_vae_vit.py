@@ -67,6 +67,19 @@ def test_vae_encode_deterministic_and_per_sample(vae):
     assert not torch.allclose(z1[0], z1[1])
 
 
+def test_vae_posterior_sampling(vae):
+    x = torch.rand(1, 3, 32, 32) * 2 - 1
+    mean = vae.encode(x)
+    a = vae.encode(x, sample_posterior=True, generator=torch.Generator().manual_seed(1))
+    b = vae.encode(x, sample_posterior=True, generator=torch.Generator().manual_seed(1))
+    c = vae.encode(x, sample_posterior=True, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(a, c) and not torch.equal(a, mean)
+    # the spread comes from the encoder's log-variance half: samples centre on the mean
+    draws = vae.encode(x.expand(32, -1, -1, -1), sample_posterior=True)
+    assert (draws.mean(0) - mean[0]).abs().mean() < (draws - mean).abs().mean() / 3
+
+
 def test_vae_scaling_and_shift_are_applied(tiny):
     torch.manual_seed(0)
     base = build_vae(tiny.vae).eval()

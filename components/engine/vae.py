@@ -283,15 +283,29 @@ class AutoencoderKLConv3D(nn.Module):
             raise ValueError(f"spatial size {h}x{w} must be a multiple of {factor}")
 
     @torch.no_grad()
-    def encode(self, x: Tensor) -> Tensor:
-        """[B, C, H, W] in [-1, 1] -> scaled posterior mean [B, latent_channels, H/16, W/16]."""
+    def encode(
+        self, x: Tensor, *, sample_posterior: bool = False, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """[B, C, H, W] in [-1, 1] -> scaled latents [B, latent_channels, H/16, W/16].
+
+        By default the posterior mean, so the AR and DiT stages derive identical conditioning
+        latents from the same image. The official pipeline draws `latent_dist.sample(generator)`
+        instead; `sample_posterior=True` does that (same clamp of the log-variance)."""
         self._check_spatial(x.shape[-2], x.shape[-1], self.ffactor_spatial)
         x = x.to(self.dtype)
         # an image is a clip of ffactor_temporal identical frames (official `encode`)
         x = x.unsqueeze(2).expand(-1, -1, self.ffactor_temporal, -1, -1)
-        moments = self.encoder(x)  # [B, 2z, 1, h, w]
-        mean = moments[:, : self.latent_channels, 0]
-        return (mean - self.shift_factor) * self.scaling_factor
+        moments = self.encoder(x)[:, :, 0]  # [B, 2z, h, w]
+        mean, logvar = moments.chunk(2, dim=1)
+        latents = mean
+        if sample_posterior:
+            std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+            noise = torch.randn(
+                mean.shape, generator=generator, dtype=mean.dtype,
+                device=generator.device if generator is not None else mean.device,
+            ).to(mean.device)
+            latents = mean + std * noise
+        return (latents - self.shift_factor) * self.scaling_factor
 
     @torch.no_grad()
     def decode(self, z: Tensor) -> Tensor:
