@@ -1,0 +1,115 @@
+"""Mooncake-only behaviour with real servers: pinning when full, bounded waits, server CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.kvstore import StoreError, open_store
+from components.kvstore.servers import _alive, free_port
+from tests.fixtures_mooncake import require_loopback_only, start_servers
+from tests.test_kvstore_payload import assert_same, make_kv
+
+pytestmark = pytest.mark.servers
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def small_servers(tmp_path):
+    """Own servers with a 48 MB segment (tests that fill or freeze the store)."""
+    srv = start_servers(tmp_path / "mc", segment="48MB")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_full_store_fails_the_put_and_evicts_nothing(small_servers):
+    """Hard-pinned payloads are never evicted: when full, the put fails loudly, earlier
+    payloads stay readable, and deleting consumed ones makes room again."""
+    s = open_store(small_servers.url + "&part=4MB")
+    kv = make_kv(torch.bfloat16, layers=8, tokens=1024, heads=4, head_dim=64)  # 8 MiB of tensors
+    put = []
+    with pytest.raises(StoreError, match="store full") as e:
+        for i in range(20):  # 20 x 8 MiB into 48 MB
+            s.put(f"full/0/{i}", kv)
+            put.append(f"full/0/{i}")
+    assert 3 <= len(put) < 6, (len(put), str(e.value))
+    assert s.keys("full") == put  # the failed put left nothing behind
+    assert not [k for k in s.raw_keys() if k.startswith(f"full/0/{len(put)}")]
+    for k in put:
+        assert_same(kv, s.get(k).kv)
+    s.delete(put[0])
+    s.put("full/0/again", kv)
+    assert s.get("full/0/again").ok
+    assert s.delete_prefix("full") == len(put)
+    assert s.raw_keys() == []
+    s.close()
+
+
+def test_hung_segment_holder_gives_timeout_not_a_silent_wait(small_servers):
+    """A frozen holder (SIGSTOP) makes the transfer hang: get returns 'timeout' after the
+    configured bound, and the store works again once the holder resumes."""
+    s = open_store(small_servers.url + "&timeout=3")
+    kv = make_kv(torch.bfloat16, layers=4, tokens=512, heads=4, head_dim=64)
+    s.put("hang/0/0", kv)
+    holder = small_servers.state.pids["holder"]
+    os.kill(holder, signal.SIGSTOP)
+    try:
+        r = s.get("hang/0/0")
+    finally:
+        os.kill(holder, signal.SIGCONT)
+    assert r.kv is None and r.code == "timeout", r.reason
+    for _ in range(50):  # the abandoned transfer finishes once the holder runs again
+        r = s.get("hang/0/0")
+        if r.ok:
+            break
+        time.sleep(0.2)
+    assert r.ok, r.reason
+    assert_same(kv, r.kv)
+    s.delete_prefix("hang")
+    s.close()
+
+
+def test_cli_up_status_down_from_another_process(tmp_path):
+    require_loopback_only()
+    state = tmp_path / "state"
+    ports = [free_port() for _ in range(4)]
+    cli = [sys.executable, "-c", "from components.kvstore.cli import app; app()"]
+    up = subprocess.run([*cli, "up", "--state-dir", str(state), "--segment", "64MB",
+                         "--master-port", str(ports[0]), "--metadata-port", str(ports[1]),
+                         "--admin-port", str(ports[2]), "--holder-port", str(ports[3])],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    pids = {}
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        url = up.stdout.strip().splitlines()[-1]
+        assert url.startswith(f"mooncake://127.0.0.1:{ports[0]}?")
+        pids = json.loads((state / "servers.json").read_text())["pids"]
+        assert set(pids) == {"master", "metadata", "holder"} and all(_alive(p) for p in pids.values())
+        st = subprocess.run([*cli, "status", "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0 and json.loads(st.stdout)["running"], st.stdout
+        with open_store(url) as s:  # the servers work
+            s.put("cli/0/0", make_kv())
+            assert s.get("cli/0/0").ok
+            assert s.delete_prefix("cli") == 1
+        again = subprocess.run([*cli, "up", "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert again.returncode != 0 and "already running" in (again.stderr + again.stdout)
+    finally:
+        down = subprocess.run([*cli, "down", "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        for p in pids.values():  # never leave a server behind, even if `down` is broken
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert down.returncode == 0 and "stopped" in down.stdout, down.stdout + down.stderr
+    assert pids and not any(_alive(p) for p in pids.values())
+    assert not (state / "servers.json").exists()
+    st = subprocess.run([*cli, "status", "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert st.returncode == 1
