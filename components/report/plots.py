@@ -111,7 +111,7 @@ def speed_fidelity_uri(points: list[dict[str, Any]], psnr_min: float | None) -> 
         marker = "*" if p["status"] == "REF" else "o"
         ax.scatter([p["time_s"]], [y], s=130 if marker == "*" else 55, marker=marker,
                    color=status_color(p["status"]), edgecolor="white", linewidth=0.8,
-                   zorder=4 if marker == "*" else 3)  # fmt: skip
+                   zorder={"REF": 5, "PASS": 4, "FAIL": 4}.get(p["status"], 3))  # gated verdicts on top  # fmt: skip
         labels.setdefault((round(p["time_s"], 4), round(y, 2)), []).append(p["name"])
     for (x, y), names in labels.items():  # configs on the same spot share one label
         ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(7, 4),

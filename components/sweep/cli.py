@@ -19,8 +19,10 @@ def sweep(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the expanded grid and exit")] = False,
     resume: Annotated[bool, typer.Option(help="keep configs whose run already finished (needs --sweep-id)")] = False,
 ) -> None:
-    """Run every config of SPEC over its eval set, evaluate against the reference, write
-    sweep.parquet, rows.parquet, budget.parquet and report.html. Exits 1 when a gate fails."""
+    """Run every config of SPEC, evaluate it against the reference, write the tables and the report.
+
+    Writes OUTPUT/SWEEP_ID/{sweep.parquet, rows.parquet, budget.parquet, report.html}; exits 1 when
+    a gated config fails its thresholds or a run fails (after writing the report)."""
     from components.sweep.runner import expanded_grid_text, run_sweep
     from components.sweep.spec import SpecError, load_spec
 

@@ -263,7 +263,9 @@ def sweep_failures(config_records: list[dict[str, Any]]) -> list[str]:
         if not r.get("passed", False):
             reasons = r.get("violations") or ["failed"]
             shown = "; ".join(reasons[:3]) + (f" (+{len(reasons) - 3} more)" if len(reasons) > 3 else "")
-            out.append(f"{r['config']}: {shown}")
+            bad_rows = len({v.split(":")[0] for v in reasons}) if r.get("rows") else 0
+            prefix = f"{bad_rows}/{r['rows']} rows fail: " if bad_rows and not r.get("run_error") else ""
+            out.append(f"{r['config']}: {prefix}{shown}")
     return out
 
 
