@@ -144,3 +144,31 @@ def test_unreachable_endpoint_is_a_clear_error(s3_env) -> None:
     store = S3ObjectStore(s3_env.bucket, "x", endpoint_url=f"http://127.0.0.1:{port}", max_attempts=2)
     with pytest.raises(ObjectStoreError, match=f"127.0.0.1:{port}"):
         store.get_bytes("k")
+
+
+KILL_MID_UPLOAD = """
+import os, signal, sys
+from components.data.objectstore import open_object_store
+store = open_object_store(sys.argv[1], multipart_threshold=5 << 20, multipart_chunksize=5 << 20, max_concurrency=1)
+store.put_bytes("killed/old.bin", b"previous version")
+parts = []
+def die_on_third_part(request, **_):
+    parts.append(1)
+    if len(parts) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+store.client.meta.events.register("before-send.s3.UploadPart", die_on_third_part)
+store.put_bytes("killed/old.bin", os.urandom(20 << 20))  # overwrite, killed after two parts
+"""
+
+
+def test_process_killed_mid_multipart_upload_leaves_no_object(s3_prefix) -> None:
+    """A writer SIGKILLed after two of four parts of an overwrite: readers still see the old
+    version whole, never a mix or a truncated object (real server, real multipart upload)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_UPLOAD, s3_prefix], capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()
+    store = _store(s3_prefix)
+    assert store.list("killed/") == ["killed/old.bin"]
+    assert store.get_bytes("killed/old.bin") == b"previous version"
