@@ -12,8 +12,19 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pipeline.cluster import DEFAULT_NO_RETRY_EXIT_CODES, KV_STORE_FROM_CONFIGMAP, NO_RETRY_EXIT_CODES, POD_IP_ENV
-from pipeline.cluster import S3_SECRET_KEYS, SWEEP_OUTPUT, SWEEP_SPEC, ClusterSettings, Pool, step_args, step_command
+from pipeline.cluster import (
+    DEFAULT_NO_RETRY_EXIT_CODES,
+    KV_STORE_FROM_CONFIGMAP,
+    NO_RETRY_EXIT_CODES,
+    POD_IP_ENV,
+    S3_SECRET_KEYS,
+    SWEEP_OUTPUT,
+    SWEEP_SPEC,
+    ClusterSettings,
+    Pool,
+    step_args,
+    step_command,
+)
 
 TEMPLATES = {"batch_edit": "ardit-batch-edit", "generate_dataset": "ardit-generate-dataset",
              "accuracy_sweep": "ardit-accuracy-sweep"}
@@ -23,7 +34,7 @@ CRON_NAME = "ardit-generate-dataset-cron"
 # become paths and allow only [A-Za-z0-9._-], so the expression keeps letters and digits:
 # scheduled-20261122T020000Z.
 CRON_RUN_ID_KEEP = "[^0-9A-Za-z]"
-CRON_RUN_ID = "scheduled-{{=sprig.regexReplaceAll('%s', workflow.scheduledTime, '')}}" % CRON_RUN_ID_KEEP
+CRON_RUN_ID = "scheduled-{{=sprig.regexReplaceAll('" + CRON_RUN_ID_KEEP + "', workflow.scheduledTime, '')}}"
 
 
 def retry_when(step: str) -> str:
@@ -44,6 +55,14 @@ _STEP_FIXED = {"sweep": {"spec": SWEEP_SPEC, "output": SWEEP_OUTPUT}}
 _RUN_VALUES = ("output", "run_id", "model", "kv_store", "steps", "guidance")
 
 
+def _inputs(name: str) -> str:
+    return "{{inputs.parameters." + name + "}}"
+
+
+def _workflow(name: str) -> str:
+    return "{{workflow.parameters." + name + "}}"
+
+
 def workflow_parameters(settings: ClusterSettings, with_run_id: bool = True) -> dict[str, str | None]:
     """Workflow arguments and their defaults (None: required at submission)."""
     params: dict[str, str | None] = {
@@ -58,12 +77,20 @@ def workflow_parameters(settings: ClusterSettings, with_run_id: bool = True) -> 
 
 def _step(step: str, image: str, pool: Pool, s: ClusterSettings, volume_mounts: list[Any] | None = None) -> Any:
     """A container template running one step program with its pool, credentials and retries."""
-    from hera.workflows import ConfigMapEnvFrom, Container, ExistingVolume, Parameter, Resources, RetryStrategy
-    from hera.workflows import FieldEnv, SecretEnv
+    from hera.workflows import (
+        ConfigMapEnvFrom,
+        Container,
+        ExistingVolume,
+        FieldEnv,
+        Parameter,
+        Resources,
+        RetryStrategy,
+        SecretEnv,
+    )
     from hera.workflows import models as m
 
     inputs = _STEP_INPUTS[step]
-    values = {n: "{{inputs.parameters.%s}}" % n for n in inputs} | _STEP_FIXED.get(step, {})
+    values = {n: _inputs(n) for n in inputs} | _STEP_FIXED.get(step, {})
     uses_weights = bool(s.weights_pvc and pool.gpus)
     return Container(
         name=step,
@@ -102,12 +129,12 @@ def _declare_templates(kind: str, run_id: str, s: ClusterSettings) -> None:
 
     per_shard_inputs = _STEP_INPUTS["dit"]
     with DAG(name="shard-pipeline", inputs=[Parameter(name=n) for n in per_shard_inputs]) as shard_pipeline:
-        given = {n: "{{inputs.parameters.%s}}" % n for n in per_shard_inputs}
+        given = {n: _inputs(n) for n in per_shard_inputs}
         a = ar(name="ar", arguments={n: given[n] for n in _STEP_INPUTS["ar"]})
         d = dit(name="dit", arguments=given)
         a >> d
 
-    run = {n: "{{workflow.parameters.%s}}" % n for n in _RUN_VALUES} | {"run_id": run_id}
+    run = {n: _workflow(n) for n in _RUN_VALUES} | {"run_id": run_id}
     with DAG(name="main", parallelism=s.max_parallel_shards):
         sh = shard(name="shard", arguments={"dataset": "{{workflow.parameters.dataset}}", "output": run["output"],
                                             "run_id": run_id, "kind": kind,
@@ -122,14 +149,14 @@ def _spec(s: ClusterSettings) -> dict[str, Any]:
     """Workflow-level settings shared by the templates and the cron."""
     from hera.workflows import models as m
 
-    return dict(
-        entrypoint="main",
-        service_account_name=s.service_account,
+    return {
+        "entrypoint": "main",
+        "service_account_name": s.service_account,
         # Keep failed pods (and their logs) for debugging; drop succeeded ones.
-        pod_gc=m.PodGC(strategy="OnPodSuccess", delete_delay_duration="10m"),
-        ttl_strategy=m.TTLStrategy(seconds_after_success=7 * 86400, seconds_after_failure=14 * 86400),
-        security_context=m.PodSecurityContext(run_as_non_root=True, run_as_user=10001, fs_group=10001),
-    )
+        "pod_gc": m.PodGC(strategy="OnPodSuccess", delete_delay_duration="10m"),
+        "ttl_strategy": m.TTLStrategy(seconds_after_success=7 * 86400, seconds_after_failure=14 * 86400),
+        "security_context": m.PodSecurityContext(run_as_non_root=True, run_as_user=10001, fs_group=10001),
+    }
 
 
 def _arguments(params: dict[str, str | None]) -> list[Any]:

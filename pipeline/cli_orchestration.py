@@ -9,11 +9,13 @@ import json
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any
 
 import typer
 
-from pipeline.kfp_pipelines import PIPELINES  # a light module: kfp is imported inside its functions
+from pipeline.kfp_pipelines import (
+    PIPELINES,  # a light module: kfp is imported inside its functions
+)
 
 app = typer.Typer(help="Compile, submit and run the batch pipelines.", no_args_is_help=True)
 
@@ -29,21 +31,21 @@ class Engine(str, Enum):
     all = "all"
 
 
-def _settings(path: Optional[Path]) -> Any:
+def _settings(path: Path | None) -> Any:
     from pipeline.cluster import ClusterSettings
 
     return ClusterSettings.from_yaml(path) if path else ClusterSettings()
 
 
-SettingsOpt = typer.Option(None, "--settings", help="YAML with ClusterSettings overrides (pools, images, secrets)",
-                           exists=True, dir_okay=False)
+SettingsOpt = Annotated[Path | None, typer.Option(
+    "--settings", help="YAML with ClusterSettings overrides (pools, images, secrets)", exists=True, dir_okay=False)]
 
 
 @app.command("compile")
 def compile_cmd(
-    out: Path = typer.Option(..., "--out", help="output folder: writes OUT/kfp/<pipeline>.yaml and OUT/argo/<name>.yaml"),
-    engine: Engine = typer.Option(Engine.all, "--engine", help="which engine's files to write"),
-    settings: Optional[Path] = SettingsOpt,
+    out: Annotated[Path, typer.Option(help="output folder: writes OUT/kfp/<pipeline>.yaml, OUT/argo/<name>.yaml")],
+    engine: Annotated[Engine, typer.Option(help="which engine's files to write")] = Engine.all,
+    settings: SettingsOpt = None,
 ) -> None:
     """Write the KFP IR YAML of every pipeline and the Argo WorkflowTemplates + CronWorkflow."""
     s = _settings(settings)
@@ -81,7 +83,7 @@ def _typed_kfp_arguments(pipeline_fn: Any, params: dict[str, str]) -> dict[str, 
     return {k: cast.get(inputs[k].type, str)(v) for k, v in params.items()}
 
 
-def _submit_kfp(pipeline: str, params: dict[str, str], host: str, token: Optional[str], namespace: Optional[str],
+def _submit_kfp(pipeline: str, params: dict[str, str], host: str, token: str | None, namespace: str | None,
                 experiment: str, settings: Any) -> str:
     import tempfile
     import warnings
@@ -114,23 +116,24 @@ def _submit_kfp(pipeline: str, params: dict[str, str], host: str, token: Optiona
 
 @app.command("submit")
 def submit_cmd(
-    engine: Engine = typer.Option(..., "--engine", help="kfp or argo"),
-    host: str = typer.Option(..., "--host", help="KFP API (e.g. http://ml-pipeline-ui.kubeflow) or Argo server "
-                                                 "(e.g. https://argo-server.argo:2746) URL"),
-    pipeline: str = typer.Option("batch_edit", "--pipeline", help="batch_edit, generate_dataset or accuracy_sweep"),
-    param: list[str] = typer.Option([], "-p", "--param", help="pipeline parameter KEY=VALUE (repeatable): dataset, "
-                                    "output, run_id, num_shards, model, kv_store, steps, guidance, gpu_image, "
-                                    "tools_image; accuracy_sweep: sweep_id, spec_config_map, gpu_image"),
-    token: Optional[str] = typer.Option(None, "--token", envvar="ARDIT_SUBMIT_TOKEN", help="bearer token"),
-    namespace: str = typer.Option("ardit", "--namespace", help="namespace (KFP: multi-user profile namespace)"),
-    experiment: str = typer.Option("ardit", "--experiment", help="KFP experiment name"),
-    insecure: bool = typer.Option(False, "--insecure", help="Argo: do not verify the server's TLS certificate"),
-    settings: Optional[Path] = SettingsOpt,
+    engine: Annotated[Engine, typer.Option(help="kfp or argo")],
+    host: Annotated[str, typer.Option(help="KFP API (e.g. http://ml-pipeline-ui.kubeflow) or Argo server "
+                                           "(e.g. https://argo-server.argo:2746) URL")],
+    pipeline: Annotated[str, typer.Option(help="batch_edit, generate_dataset or accuracy_sweep")] = "batch_edit",
+    param: Annotated[list[str] | None, typer.Option(
+        "-p", "--param", help="pipeline parameter KEY=VALUE (repeatable): dataset, output, run_id, num_shards, "
+        "model, kv_store, steps, guidance, gpu_image, tools_image; accuracy_sweep: sweep_id, spec_config_map, "
+        "gpu_image")] = None,
+    token: Annotated[str | None, typer.Option(envvar="ARDIT_SUBMIT_TOKEN", help="bearer token")] = None,
+    namespace: Annotated[str, typer.Option(help="namespace (KFP: multi-user profile namespace)")] = "ardit",
+    experiment: Annotated[str, typer.Option(help="KFP experiment name")] = "ardit",
+    insecure: Annotated[bool, typer.Option(help="Argo: do not verify the server's TLS certificate")] = False,
+    settings: SettingsOpt = None,
 ) -> None:
     """Start a run on a cluster; prints the run id and the engine's run name."""
     if pipeline not in PIPELINES:
         raise typer.BadParameter(f"{pipeline!r} is not one of {PIPELINES}", param_hint="--pipeline")
-    params = parse_params(param)
+    params = parse_params(param or [])
     if pipeline != "accuracy_sweep":
         # Each run gets its own id unless the caller resumes one by passing it again.
         params.setdefault("run_id", time.strftime("ardit-%Y%m%d-%H%M%S", time.gmtime()))
@@ -154,16 +157,16 @@ def submit_cmd(
 
 @app.command("run-local")
 def run_local_cmd(
-    output: Path = typer.Option(Path("ardit-local"), "--output", help="output folder"),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="edit dataset; default: a small sample written "
-                                                                  "into the output folder"),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="default: local-<UTC time>; pass again to resume"),
-    num_shards: int = typer.Option(2, "--num-shards"),
-    model: str = typer.Option("tiny", "--model"),
-    weights: Optional[str] = typer.Option(None, "--weights"),
-    kv_store: Optional[str] = typer.Option(None, "--kv-store", help="default: local://OUTPUT/_kv"),
-    steps: int = typer.Option(4, "--steps"),
-    guidance: float = typer.Option(5.0, "--guidance"),
+    output: Annotated[Path, typer.Option(help="output folder")] = Path("ardit-local"),
+    dataset: Annotated[str | None, typer.Option(
+        help="edit dataset; default: a small sample written into the output folder")] = None,
+    run_id: Annotated[str | None, typer.Option(help="default: local-<UTC time>; pass again to resume")] = None,
+    num_shards: int = 2,
+    model: str = "tiny",
+    weights: str | None = None,
+    kv_store: Annotated[str | None, typer.Option(help="default: local://OUTPUT/_kv")] = None,
+    steps: int = 4,
+    guidance: float = 5.0,
 ) -> None:
     """Run the batch_edit pipeline on this machine through kfp.local (no cluster, no Docker)."""
     from pipeline.kfp_local import run_local

@@ -126,7 +126,7 @@ class ClusterSettings:
         return self.weights_path if self.weights_pvc else None
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "ClusterSettings":
+    def from_yaml(cls, path: str | Path) -> ClusterSettings:
         """Read overrides from YAML (same field names; pools as mappings, tolerations as lists of mappings)."""
         raw = yaml.safe_load(Path(path).read_text()) or {}
         unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}

@@ -8,11 +8,22 @@ ClusterSettings; per-run values are pipeline parameters. kfp is imported inside 
 
 # no `from __future__ import annotations`: kfp reads the component signatures as real types
 
+from collections.abc import Callable
 from pathlib import PurePosixPath
-from typing import Any, Callable
+from typing import Any
 
-from pipeline.cluster import ENDPOINT_KEYS, KV_STORE_FROM_CONFIGMAP, POD_IP_ENV, S3_SECRET_KEYS, ClusterSettings, Pool
-from pipeline.cluster import SWEEP_OUTPUT, SWEEP_SPEC, step_args, step_command
+from pipeline.cluster import (
+    ENDPOINT_KEYS,
+    KV_STORE_FROM_CONFIGMAP,
+    POD_IP_ENV,
+    S3_SECRET_KEYS,
+    SWEEP_OUTPUT,
+    SWEEP_SPEC,
+    ClusterSettings,
+    Pool,
+    step_args,
+    step_command,
+)
 
 PIPELINES = ("batch_edit", "generate_dataset", "accuracy_sweep")
 

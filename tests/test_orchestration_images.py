@@ -6,10 +6,10 @@ import glob
 import os
 import re
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = sorted((REPO / "images").glob("*.Dockerfile"))
