@@ -1,5 +1,5 @@
-"""Argo Workflows definitions built with Hera: WorkflowTemplates for batch edit and dataset
-generation, and a CronWorkflow for scheduled generation.
+"""Argo Workflows definitions built with Hera: WorkflowTemplates for batch edit, dataset
+generation and accuracy sweeps, and a CronWorkflow for scheduled generation.
 
 DAG: shard -> fan-out over shard indices (withSequence, bounded by ``parallelism``) of a per-shard
 DAG (AR -> DiT) -> summary. Shards are independent, so the AR of one shard overlaps the DiT of
@@ -201,13 +201,12 @@ def accuracy_sweep_template(settings: ClusterSettings | None = None) -> Any:
     return wt
 
 
-def cron_workflow(settings: ClusterSettings | None = None, dataset: str = "s3://ardit/prompts/daily.parquet",
-                  output: str = "s3://ardit/generated") -> Any:
+def cron_workflow(settings: ClusterSettings | None = None) -> Any:
     """Scheduled dataset generation; one run per slot, never two at once."""
     from hera.workflows import CronWorkflow
 
     s = settings or ClusterSettings()
-    params = workflow_parameters(s, with_run_id=False) | {"dataset": dataset, "output": output}
+    params = workflow_parameters(s, with_run_id=False) | {"dataset": s.cron_dataset, "output": s.cron_output}
     with CronWorkflow(name=CRON_NAME, schedules=[s.cron_schedule], timezone=s.cron_timezone,
                       concurrency_policy="Forbid", starting_deadline_seconds=s.cron_starting_deadline_seconds,
                       successful_jobs_history_limit=3, failed_jobs_history_limit=3,

@@ -117,6 +117,8 @@ class ClusterSettings:
     backoff: str = "30s"
     backoff_factor: int = 2
     backoff_max: str = "10m"
+    cron_dataset: str = "s3://ardit/prompts/daily.parquet"
+    cron_output: str = "s3://ardit/generated"
     cron_schedule: str = "0 2 * * *"
     cron_timezone: str = "UTC"
     cron_starting_deadline_seconds: int = 3600
