@@ -106,6 +106,8 @@ def test_tampered_rows_file_is_not_committed(tmp_path) -> None:
     path = tmp_path / "out/run1/shards/1/rows.parquet"
     path.write_bytes(path.read_bytes()[:-10])
     assert not layout.is_committed(1) and layout.is_committed(1, verify=False)
+    s = summary_run(str(tmp_path / "out"), "run1")
+    assert s["shards"][1]["status"] == "corrupt" and s["shards_uncommitted"] == [1] and s["shards_missing"] == [0]
 
 
 KILL_SCRIPT = textwrap.dedent(
@@ -180,12 +182,17 @@ def test_error_rows_from_validation_and_processing(tmp_path) -> None:
 
 
 def test_extra_metric_columns_are_kept(tmp_path) -> None:
+    import numpy as np
+
     layout = _sharded(tmp_path, n=2, shards=1)
     writer = layout.shard_writer(0)
-    _finish(writer, cache_hits=3, psnr_db=31.5)
+    with pytest.raises(TypeError, match="set cannot be stored"):
+        writer.record_ok(writer.pending()[0].id, _image(writer.pending()[0]), bad={1, 2})
+    _finish(writer, cache_hits=3, psnr_db=31.5, dit_total_s=np.float32(0.5), kv_bytes=np.int64(7))
     writer.commit()
     table = layout.read_rows(0)
     assert table.column("cache_hits").to_pylist() == [3, 3] and table.column("psnr_db").to_pylist() == [31.5, 31.5]
+    assert table.column("dit_total_s").to_pylist() == [0.5, 0.5] and table.column("kv_bytes").to_pylist() == [7, 7]
 
 
 def test_check_coverage() -> None:

@@ -91,6 +91,14 @@ def row_key(row_id: str) -> str:
     return f"{cleaned}~{hashlib.sha256(row_id.encode()).hexdigest()[:16]}"
 
 
+def _scalar(value: Any) -> Any:
+    """numpy / torch scalars (e.g. a float32 timing) become plain numbers; anything else that
+    JSON cannot hold is an error naming its type."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    raise TypeError(f"row metric of type {type(value).__name__} cannot be stored (use numbers or strings)")
+
+
 def check_coverage(inputs: Sequence[Job], outputs: Sequence[dict[str, Any]]) -> None:
     """Raise CoverageError unless every input row has exactly one output row (by position and id)."""
     expected = {j.row_index: j.id for j in inputs}
@@ -322,7 +330,7 @@ class ShardWriter:
 
     def _record(self, job: Job, fields: dict[str, Any]) -> dict[str, Any]:
         rec = {"id": job.id, "row_index": job.row_index, **fields}
-        data = json.dumps(rec, sort_keys=True).encode()  # fails loudly on non-JSON metric values
+        data = json.dumps(rec, sort_keys=True, default=_scalar).encode()
         self.store.put_bytes(self.layout.row_record_key(self.shard, job.id), data)
         self._records[job.id] = rec
         return rec
