@@ -387,9 +387,8 @@ def test_segment_holders_request_their_segment_size():
     assert len(docs) == 2
     for doc in docs:
         c = doc["spec"]["template"]["spec"]["containers"][0]
-        size = {e["name"]: e.get("value") for e in c["env"]}["SEGMENT_SIZE"]
-        gib = int(size.split()[0])
-        assert c["resources"]["requests"]["memory"] == f"{gib}Gi"
+        size = int({e["name"]: e.get("value") for e in c["env"]}["SEGMENT_SIZE"])  # bytes
+        assert c["resources"]["requests"]["memory"] == f"{size >> 30}Gi" and size % (1 << 30) == 0
 
 
 # ---------------------------------------------------------------- submit
