@@ -51,6 +51,11 @@ class Engine:
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, config vocab is {config.vocab_size}")
 
+        if config.torch_dtype == "float32" and device != "cpu":
+            # cuDNN convolutions default to TF32; its rounding is discontinuous, so tiny input
+            # differences jump to ~1e-3 and grow through CFG. float32 must mean float32.
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
         torch.manual_seed(seed)
         net = HunyuanImage3ForCausalMM(config)
         if weights is None:

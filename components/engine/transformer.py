@@ -208,20 +208,26 @@ def _swiglu(h: torch.Tensor) -> torch.Tensor:
 
 def moe_loop(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
     """Reference path: one GEMM pair per expert over the tokens routed to it."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    n, k = experts.shape
+    per_slot = torch.zeros(n, k, x.shape[1], dtype=torch.float32, device=x.device)
     for e in range(w_gate_up.shape[0]):
         token, slot = (experts == e).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        y = _swiglu(x[token] @ w_gate_up[e].T) @ w_down[e].T
-        out.index_add_(0, token, y.float() * weights[token, slot].unsqueeze(1))
-    return out.to(x.dtype)
+        per_slot[token, slot] = (_swiglu(x[token] @ w_gate_up[e].T) @ w_down[e].T).float()
+    return _combine(per_slot, weights).to(x.dtype)
+
+
+def _combine(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over each token's k expert outputs [N, k, H], in a fixed order: no atomics,
+    so results are bitwise reproducible on GPUs (index_add_ is not)."""
+    return (per_slot * weights.unsqueeze(-1)).sum(dim=1)
 
 
 def moe_grouped(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
     """Grouped-GEMM path (`torch._grouped_mm`): tokens sorted by expert, one launch per GEMM."""
     k = experts.shape[1]
-    flat_experts = experts.reshape(-1)
+    flat_experts = experts.reshape(-1)  # (token, slot) order
     order = torch.argsort(flat_experts, stable=True)
     token = order // k
     counts = torch.bincount(flat_experts, minlength=w_gate_up.shape[0])
@@ -229,10 +235,9 @@ def moe_grouped(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
     xs = x[token]
     h = _swiglu(torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs))
     y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
-    y = y.float() * weights.reshape(-1)[order].unsqueeze(1)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    out.index_add_(0, token, y)
-    return out.to(x.dtype)
+    per_slot = torch.empty(y.shape, dtype=torch.float32, device=x.device)
+    per_slot[order] = y.float()  # back to (token, slot) order
+    return _combine(per_slot.view(*experts.shape, -1), weights).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
