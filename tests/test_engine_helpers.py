@@ -1,0 +1,42 @@
+"""Shared helpers for the engine tests (no tests here).
+
+The tiny engine is loaded once per test process (`tiny_engine()` is cached) and shared by every
+`tests/test_engine_*.py` module; tests must not mutate it (they copy KV before corrupting it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from PIL import Image
+
+
+@functools.cache
+def tiny_engine():
+    from components.engine import Engine
+
+    return Engine.load("tiny", seed=0)
+
+
+def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A deterministic RGB noise image with some low-frequency structure."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([(xx * 255 // max(width - 1, 1)), (yy * 255 // max(height - 1, 1)),
+                     ((xx + yy) * 127 // max(width + height - 2, 1))], axis=-1)
+    noise = rng.integers(-40, 41, (height, width, 3))
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+def psnr(a: Image.Image | np.ndarray, b: Image.Image | np.ndarray) -> float:
+    """PSNR in dB of two uint8 images (inf when identical)."""
+    x = np.asarray(a)
+    y = np.asarray(b)
+    assert x.dtype == np.uint8 and y.dtype == np.uint8, (x.dtype, y.dtype)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    mse = np.mean((x.astype(np.float64) - y.astype(np.float64)) ** 2)
+    if mse == 0:
+        return math.inf
+    return 10.0 * math.log10(255.0 ** 2 / mse)
