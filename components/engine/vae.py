@@ -45,16 +45,40 @@ def _channels_to_space_time(x: Tensor, r1: int) -> Tensor:
     return x.reshape(b, c_out, f * r1, h * 2, w * 2)
 
 
+class Conv3d(nn.Conv3d):
+    """nn.Conv3d (same parameters and names) that on the CPU runs as a sum of 2-D convolutions
+    over the kernel's time taps: PyTorch's CPU conv3d has no fast kernel (`slow_conv3d` took 85%
+    of a tiny decode), while conv2d does. Same function; on GPUs the native cuDNN conv3d runs."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda or self.groups != 1 or self.padding_mode != "zeros" or self.stride[0] != 1 \
+                or self.dilation[0] != 1:
+            return super().forward(x)
+        b, c, t, h, w = x.shape
+        kt, pt = self.kernel_size[0], self.padding[0]
+        x = F.pad(x, (0, 0, 0, 0, pt, pt))
+        t_out = t + 2 * pt - kt + 1
+        out = None
+        for dt in range(kt):
+            frames = x[:, :, dt:dt + t_out].transpose(1, 2).reshape(b * t_out, c, h, w)
+            tap = self.weight[:, :, dt].contiguous()  # a strided weight sends conv2d down a slow path
+            y = F.conv2d(frames, tap, None, self.stride[1:], self.padding[1:], self.dilation[1:])
+            out = y if out is None else out + y
+        if self.bias is not None:
+            out = out + self.bias.view(1, -1, 1, 1)
+        return out.reshape(b, t_out, *out.shape[1:]).transpose(1, 2)
+
+
 class AttnBlock(nn.Module):
     """Single-head self-attention over all (f, h, w) positions, 1x1x1 conv projections."""
 
     def __init__(self, channels: int, norm_num_groups: int):
         super().__init__()
         self.norm = _group_norm(norm_num_groups, channels)
-        self.q = nn.Conv3d(channels, channels, kernel_size=1)
-        self.k = nn.Conv3d(channels, channels, kernel_size=1)
-        self.v = nn.Conv3d(channels, channels, kernel_size=1)
-        self.proj_out = nn.Conv3d(channels, channels, kernel_size=1)
+        self.q = Conv3d(channels, channels, kernel_size=1)
+        self.k = Conv3d(channels, channels, kernel_size=1)
+        self.v = Conv3d(channels, channels, kernel_size=1)
+        self.proj_out = Conv3d(channels, channels, kernel_size=1)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.norm(x)
@@ -71,13 +95,13 @@ class ResnetBlock(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, norm_num_groups: int):
         super().__init__()
         self.norm1 = _group_norm(norm_num_groups, in_channels)
-        self.conv1 = nn.Conv3d(in_channels, out_channels, kernel_size=3, padding=1)
+        self.conv1 = Conv3d(in_channels, out_channels, kernel_size=3, padding=1)
         self.norm2 = _group_norm(norm_num_groups, out_channels)
-        self.conv2 = nn.Conv3d(out_channels, out_channels, kernel_size=3, padding=1)
+        self.conv2 = Conv3d(out_channels, out_channels, kernel_size=3, padding=1)
         # Official name; never built with the released channel plan (channels change only in the
         # down/up samplers) but kept so other plans load the same way.
         self.nin_shortcut = (
-            nn.Conv3d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
+            Conv3d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -97,7 +121,7 @@ class DownsampleDCAE(nn.Module):
         factor = 8 if add_temporal_downsample else 4
         if out_channels % factor != 0:
             raise ValueError(f"out_channels={out_channels} must be divisible by {factor}")
-        self.conv = nn.Conv3d(in_channels, out_channels // factor, kernel_size=3, padding=1)
+        self.conv = Conv3d(in_channels, out_channels // factor, kernel_size=3, padding=1)
         self.r1 = 2 if add_temporal_downsample else 1
         self.group_size = factor * in_channels // out_channels
 
@@ -116,7 +140,7 @@ class UpsampleDCAE(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, add_temporal_upsample: bool):
         super().__init__()
         factor = 8 if add_temporal_upsample else 4
-        self.conv = nn.Conv3d(in_channels, out_channels * factor, kernel_size=3, padding=1)
+        self.conv = Conv3d(in_channels, out_channels * factor, kernel_size=3, padding=1)
         self.r1 = 2 if add_temporal_upsample else 1
         self.repeats = factor * out_channels // in_channels
 
@@ -139,7 +163,7 @@ class Encoder(nn.Module):
     ):
         super().__init__()
         self.z_channels = z_channels
-        self.conv_in = nn.Conv3d(in_channels, block_out_channels[0], kernel_size=3, padding=1)
+        self.conv_in = Conv3d(in_channels, block_out_channels[0], kernel_size=3, padding=1)
 
         self.down = nn.ModuleList()
         block_in = block_out_channels[0]
@@ -167,7 +191,7 @@ class Encoder(nn.Module):
         self.mid.block_2 = ResnetBlock(block_in, block_in, norm_num_groups)
 
         self.norm_out = _group_norm(norm_num_groups, block_in)
-        self.conv_out = nn.Conv3d(block_in, 2 * z_channels, kernel_size=3, padding=1)
+        self.conv_out = Conv3d(block_in, 2 * z_channels, kernel_size=3, padding=1)
 
     def _out_shortcut(self, h: Tensor) -> Tensor:
         """Parameter-free residual around the output head: average channel groups down to the
@@ -210,7 +234,7 @@ class Decoder(nn.Module):
             raise ValueError(f"decoder width {block_out_channels[0]} must be a multiple of z={z_channels}")
         block_in = block_out_channels[0]
         self.repeats = block_in // z_channels
-        self.conv_in = nn.Conv3d(z_channels, block_in, kernel_size=3, padding=1)
+        self.conv_in = Conv3d(z_channels, block_in, kernel_size=3, padding=1)
 
         self.mid = nn.Module()
         self.mid.block_1 = ResnetBlock(block_in, block_in, norm_num_groups)
@@ -236,7 +260,7 @@ class Decoder(nn.Module):
             self.up.append(up)
 
         self.norm_out = _group_norm(norm_num_groups, block_in)
-        self.conv_out = nn.Conv3d(block_in, out_channels, kernel_size=3, padding=1)
+        self.conv_out = Conv3d(block_in, out_channels, kernel_size=3, padding=1)
 
     def forward(self, z: Tensor) -> Tensor:
         h = self.conv_in(z) + z.repeat_interleave(self.repeats, dim=1)
