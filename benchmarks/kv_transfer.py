@@ -143,6 +143,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--part", action="append", help="mooncake part size(s), e.g. 64MB (repeatable)")
+    ap.add_argument("--streams", action="append", type=int,
+                    help="mooncake transfers in flight (repeatable; 1 = one batch call after encoding)")
     ap.add_argument("--segment", default="", help="segment holder size (default: 2 x payload + 1 GB)")
     ap.add_argument("--url", default="", help="use this store instead of starting servers / a temp dir")
     ap.add_argument("--local-dir", default=None, help="parent dir for the local backend (default $TMPDIR)")
@@ -162,18 +164,20 @@ def main() -> None:
             with tempfile.TemporaryDirectory(dir=a.local_dir, prefix="ardit-kvbench-") as d:
                 results.append(bench_backend("local", a.url if a.url.startswith("local") else f"local://{d}", a))
         elif b == "mooncake":
-            parts = a.part or ["64MB"]
+            combos = [(p, s) for p in (a.part or ["64MB"]) for s in (a.streams or [1, 4])]
             if a.url.startswith("mooncake://"):
-                for p in parts:
-                    results.append(bench_backend(f"mooncake part={p}", f"{a.url}&part={p}", a))
+                for p, s in combos:
+                    results.append(bench_backend(f"mooncake {p} x{s}", f"{a.url}&part={p}&streams={s}", a))
                 continue
             from components.kvstore.servers import MooncakeServers
 
             # a payload per warm repeat plus the cold one is in flight before the consumer runs
             seg = a.segment or f"{int(nbytes * (a.repeats + 1) * 1.25 / 2**20) + 256}MB"
             with MooncakeServers(segment=seg) as srv:
-                for p in parts:
-                    results.append(bench_backend(f"mooncake part={p}", f"{srv.url}&part={p}", a))
+                for p, s in combos:
+                    results.append(bench_backend(f"mooncake {p} x{s}", f"{srv.url}&part={p}&streams={s}", a))
+                    print(f"  {results[-1]['backend']}: done", flush=True)
+            continue
         else:
             raise SystemExit(f"unknown backend {b!r} (mooncake, local)")
         print(f"  {results[-1]['backend']}: done", flush=True)

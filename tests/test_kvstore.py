@@ -21,12 +21,14 @@ from tests.test_kvstore_payload import assert_same, make_kv
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(params=["local", pytest.param("mooncake", marks=pytest.mark.servers)])
+@pytest.fixture(params=["local", pytest.param("mooncake", marks=pytest.mark.servers),
+                        pytest.param("mooncake-batch", marks=pytest.mark.servers)])
 def store_url(request, tmp_path):
     if request.param == "local":
         return f"local://{tmp_path}/kv"
-    # small parts so multi-part payloads and the batch calls are exercised by tiny tensors
-    return request.getfixturevalue("mooncake_url") + "&part=1MB&timeout=20"
+    # small parts so tiny tensors still make multi-part payloads; streams=1: one batch call
+    streams = 1 if request.param == "mooncake-batch" else 3
+    return request.getfixturevalue("mooncake_url") + f"&part=1MB&timeout=20&streams={streams}"
 
 
 @pytest.fixture

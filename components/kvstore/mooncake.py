@@ -30,8 +30,9 @@ import secrets
 import socket
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -51,11 +52,11 @@ from components.kvstore.base import (
 )
 from components.kvstore.payload import (
     PREFIX_SIZE,
+    EncodeJob,
     PayloadError,
     as_u8,
     check_identity,
     decode_data,
-    encode_into,
     parallel_copy,
     payload_size,
     read_header,
@@ -97,6 +98,14 @@ class _Timeout(Exception):
     pass
 
 
+class _Absent(Exception):
+    """Carries the GetResult that explains why a payload cannot be returned."""
+
+    def __init__(self, result: GetResult):
+        super().__init__(result.reason)
+        self.result = result
+
+
 @dataclass
 class MooncakeConfig:
     master: str  # HOST:PORT of mooncake_master's RPC
@@ -108,6 +117,7 @@ class MooncakeConfig:
     local_buffer: int = 16 << 20  # mooncake's own transfer buffer (unused by put_from/get_into)
     buffer: int = 64 << 20  # initial size of our registered transfer buffer (grown on demand)
     part: int = 64 << 20  # tensor region split into parts of this size (batch calls)
+    streams: int = 4  # transfers in flight per put/get, overlapped with encode/decode (1: one batch call)
     timeout: float = 60.0  # bound on one put/get transfer
     connect_timeout: float = 3.0
     pin: str = "hard"  # hard | soft | none
@@ -121,6 +131,8 @@ class MooncakeConfig:
             raise ValueError(f"mooncake pin {self.pin!r}: use hard, soft or none")
         if self.part < 1 << 20:
             raise ValueError(f"mooncake part size {self.part} must be at least 1 MiB")
+        if not 1 <= self.streams <= 64:
+            raise ValueError(f"mooncake streams {self.streams} must be in [1, 64]")
         if self.timeout <= 0:
             raise ValueError(f"mooncake timeout {self.timeout} must be > 0")
         self.host = self.host or os.environ.get("ARDIT_KV_HOST") or os.environ.get("POD_IP") or "127.0.0.1"
@@ -130,7 +142,7 @@ class MooncakeConfig:
 _PARAMS = {
     "metadata": str, "protocol": str, "device": str, "host": str, "admin": str, "pin": str,
     "segment": "size", "local_buffer": "size", "buffer": "size", "part": "size",
-    "timeout": float, "connect_timeout": float,
+    "timeout": float, "connect_timeout": float, "streams": int,
 }
 
 
@@ -176,7 +188,7 @@ class MooncakeStore(KVStore):
         self._buf: _Registered | None = None  # tensor region (put: the whole payload)
         self._hbuf: _Registered | None = None  # header object
         self._abandoned: list[Any] = []  # buffers a timed-out transfer may still write into
-        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake")
+        self._exec = self._executor()
         self._failed_at = 0.0
         self._failure = ""
         self.last: dict[str, float] = {}  # seconds spent in the phases of the last put/get
@@ -223,15 +235,17 @@ class MooncakeStore(KVStore):
 
     def _call(self, fn: Callable, *args: Any) -> Any:
         """Run one blocking mooncake call with the configured timeout."""
-        fut = self._exec.submit(fn, *args)
-        try:
-            return fut.result(timeout=self.cfg.timeout)
-        except FutureTimeout:
-            # the call may still be writing into our buffers: never reuse or free them
-            self._abandoned += [self._buf, self._hbuf]
-            self._buf = self._hbuf = None
-            self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake")
-            raise _Timeout(f"no answer in {self.cfg.timeout:g} s") from None
+        return self._wait([self._exec.submit(fn, *args)], time.monotonic() + self.cfg.timeout)[0]
+
+    def _abandon(self) -> None:
+        """A call may still be writing into our buffers: never reuse or free them."""
+        self._abandoned += [b for b in (self._buf, self._hbuf) if b is not None]
+        self._buf = self._hbuf = None
+        self._exec.shutdown(wait=False)
+        self._exec = self._executor()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=max(1, self.cfg.streams), thread_name_prefix="mooncake")
 
     def _ensure(self, which: str, size: int) -> _Registered:
         cur: _Registered | None = getattr(self, which)
@@ -246,60 +260,98 @@ class MooncakeStore(KVStore):
 
     # ------------------------------------------------------------ put
 
+    def _parts(self, data_len: int) -> list[tuple[int, int]]:
+        ps = self.cfg.part
+        return [(o, min(ps, data_len - o)) for o in range(0, max(data_len, 1), ps)]
+
+    def _wait(self, futs: list[Future], deadline: float) -> list[Any]:
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                self._abandon()
+                raise _Timeout(f"no answer in {self.cfg.timeout:g} s") from None
+        return out
+
     def put(self, key: str, kv: PromptKV | Any, *, check: bool = True) -> int:
         check_key(key)
         ms = self._connect()
+        if self.exists(key):  # replacing: drop the old header and its parts first
+            self.delete(key)
         t0 = time.perf_counter()
+        job = None
         if isinstance(kv, PromptKV):
             n = payload_size(kv)
             buf = self._ensure("_buf", n)
-            encode_into(kv, buf.arr[:n])
+            job = EncodeJob(kv, buf.arr[:n])  # runs in the payload thread pool
+            data_offset, data_len = job.data_offset, job.data_len
         else:
             src = as_u8(kv)
             n = src.nbytes
             buf = self._ensure("_buf", n)
             parallel_copy(buf.arr[:n], src)
-        payload = buf.arr[:n]
+            try:
+                h = read_header(buf.arr[:n])
+                if n < h.total_size:
+                    raise PayloadError("truncated", f"{n} bytes, payload needs {h.total_size}")
+                data_offset, data_len = h.data_offset, h.data_len
+            except PayloadError as e:
+                if check:
+                    raise ValueError(f"put {key!r}: not a KV payload ({e})") from None
+                # unchecked bytes (tests): stored as a header object only; readers reject it
+                return self._put_header(ms, key, buf.arr[:n].tobytes(), [])
+        tag = f"{int(time.time() * 1000)}-{secrets.token_hex(4)}"
+        parts = self._parts(data_len)
+        keys = [f"{key}#{tag}.{i}" for i in range(len(parts))]
+        ptrs = [buf.ptr + data_offset + o for o, _ in parts]
+        sizes = [sz for _, sz in parts]
+        deadline = time.monotonic() + self.cfg.timeout
         try:
-            h = read_header(payload)
-            if n < h.total_size:
-                raise PayloadError("truncated", f"{n} bytes, payload needs {h.total_size}")
-        except PayloadError as e:
-            if check:
-                raise ValueError(f"put {key!r}: not a KV payload ({e})") from None
-            h = None  # unchecked bytes (tests): stored as a header object only, the reader rejects it
-
-        if self.exists(key):  # replacing: drop the old header and its parts first
-            self.delete(key)
-        t1 = time.perf_counter()
-        try:
-            if h is None:
-                head, part_keys = payload.tobytes(), []
-            else:
-                tag = f"{int(time.time() * 1000)}-{secrets.token_hex(4)}"
-                ps = self.cfg.part
-                nparts = max(1, -(-h.data_len // ps))
-                part_keys = [f"{key}#{tag}.{i}" for i in range(nparts)]
-                ptrs = [buf.ptr + h.data_offset + i * ps for i in range(nparts)]
-                sizes = [min(ps, h.data_len - i * ps) for i in range(nparts)]
-                rcs = self._call(ms.batch_put_from, part_keys, ptrs, sizes, self._rcfg)
-                bad = [(i, rc) for i, rc in enumerate(rcs) if rc != 0]
-                if bad:
-                    ms.batch_remove(part_keys, True)
-                    raise StoreError(f"put {key!r}: part {bad[0][0]} of {nparts} failed: {_explain(bad[0][1])}")
-                index = json.dumps({"tag": tag, "part": ps, "parts": nparts}).encode()
-                head = payload[: PREFIX_SIZE + h.header_len].tobytes() + index
-            hb = self._ensure("_hbuf", len(head))
-            hb.arr[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-            rc = self._call(ms.put_from, key, hb.ptr, len(head), self._rcfg)
-            if rc != 0:
-                if part_keys:
-                    ms.batch_remove(part_keys, True)
-                raise StoreError(f"put {key!r}: header failed: {_explain(rc)}")
+            if self.cfg.streams <= 1:  # encode everything, then one batch call
+                if job:
+                    job.finish()
+                t1 = time.perf_counter()
+                rcs = self._wait([self._exec.submit(ms.batch_put_from, keys, ptrs, sizes, self._rcfg)], deadline)[0]
+            else:  # send each part as soon as its bytes are encoded, `streams` in flight
+                futs = []
+                for (o, sz), k, ptr in zip(parts, keys, ptrs):
+                    if job:
+                        job.wait_range(o, o + sz)
+                    futs.append(self._exec.submit(ms.put_from, k, ptr, sz, self._rcfg))
+                if job:
+                    job.finish()
+                t1 = time.perf_counter()
+                rcs = self._wait(futs, deadline)
         except _Timeout as e:
             raise StoreError(f"put {key!r}: {e}") from None
-        self.last = {"encode_s": t1 - t0, "transfer_s": time.perf_counter() - t1}
+        finally:
+            if job:  # never leave copies running into a buffer the next call reuses
+                futures_wait(job.futures)
+        bad = [(i, rc) for i, rc in enumerate(rcs) if rc != 0]
+        if bad:
+            ms.batch_remove(keys, True)
+            raise StoreError(f"put {key!r}: part {bad[0][0]} of {len(parts)} failed: {_explain(bad[0][1])}")
+        hlen = read_header(buf.arr[:n]).header_len
+        index = json.dumps({"tag": tag, "part": self.cfg.part, "parts": len(parts)}).encode()
+        self._put_header(ms, key, buf.arr[: PREFIX_SIZE + hlen].tobytes() + index, keys)
+        t2 = time.perf_counter()
+        self.last = {"encode_s": t1 - t0, "transfer_s": t2 - t1}
         return n
+
+    def _put_header(self, ms: Any, key: str, head: bytes, part_keys: list[str]) -> int:
+        """Header object last: once it is visible, the payload is complete."""
+        hb = self._ensure("_hbuf", len(head))
+        hb.arr[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        try:
+            rc = self._call(ms.put_from, key, hb.ptr, len(head), self._rcfg)
+        except _Timeout as e:
+            rc, err = None, str(e)
+        if rc != 0:
+            if part_keys:
+                ms.batch_remove(part_keys, True)
+            raise StoreError(f"put {key!r}: header failed: {_explain(rc) if rc is not None else err}")
+        return len(head)
 
     # ------------------------------------------------------------ get
 
@@ -320,68 +372,90 @@ class MooncakeStore(KVStore):
             return GetResult(None, f"{base.UNREACHABLE}: master {self.cfg.master} (get {what} {key!r}: {_explain(rc)})")
         return GetResult(None, f"{base.MISSING}: get {what} {key!r} failed: {_explain(rc)}")
 
-    def _fetch(self, key: str, expect_model_id: str | None, expect_config_hash: str | None):
-        """-> (header, data view, header view) or a GetResult saying why not."""
+    def _header(self, ms: Any, key: str, expect_model_id: str | None, expect_config_hash: str | None):
+        """Read and check the header object -> (header, header bytes view, part keys, part ranges)."""
+        rc, hb = self._read_header_object(ms, key)
+        if rc < 0:
+            raise _Absent(self._absent(ms, key, rc, "payload"))
+        head = hb.arr[:rc]
+        h = read_header(head)
+        check_identity(h, expect_model_id, expect_config_hash)
+        try:
+            index = json.loads(head[PREFIX_SIZE + h.header_len :].tobytes())
+            ps, nparts, tag = int(index["part"]), int(index["parts"]), str(index["tag"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise _Absent(GetResult(None, f"{base.CORRUPT}: part index of {key!r} unreadable: {e}")) from None
+        parts = [(o, min(ps, h.data_len - o)) for o in range(0, max(h.data_len, 1), ps)]
+        if nparts != len(parts):
+            raise _Absent(GetResult(None, f"{base.CORRUPT}: part index of {key!r} says {nparts} parts of {ps} "
+                                          f"for {h.data_len} bytes"))
+        return h, head, [f"{key}#{tag}.{i}" for i in range(nparts)], parts
+
+    def _get(self, key: str, expect_model_id, expect_config_hash, device, raw: bool):
+        """-> (PromptKV or raw bytes) or a GetResult saying why not."""
+        t0 = time.perf_counter()
         try:
             ms = self._connect()
         except StoreError as e:
             return GetResult(None, f"{base.UNREACHABLE}: {e}")
         try:
-            rc, hb = self._read_header_object(ms, key)
-            if rc < 0:
-                return self._absent(ms, key, rc, "payload")
-            head = hb.arr[:rc]
-            h = read_header(head)
-            check_identity(h, expect_model_id, expect_config_hash)
-            try:
-                index = json.loads(head[PREFIX_SIZE + h.header_len :].tobytes())
-                ps, nparts, tag = int(index["part"]), int(index["parts"]), str(index["tag"])
-            except (ValueError, KeyError, TypeError) as e:
-                return GetResult(None, f"{base.CORRUPT}: part index of {key!r} unreadable: {e}")
-            if nparts != max(1, -(-h.data_len // ps)):
-                return GetResult(None, f"{base.CORRUPT}: part index of {key!r} says {nparts} parts of {ps} for {h.data_len} bytes")
+            h, head, keys, parts = self._header(ms, key, expect_model_id, expect_config_hash)
             buf = self._ensure("_buf", h.data_len)
-            keys = [f"{key}#{tag}.{i}" for i in range(nparts)]
-            sizes = [min(ps, h.data_len - i * ps) for i in range(nparts)]
-            if nparts == 1:
-                rcs = [self._call(ms.get_into, keys[0], buf.ptr, sizes[0])]
+            ptrs = [buf.ptr + o for o, _ in parts]
+            sizes = [sz for _, sz in parts]
+            deadline = time.monotonic() + self.cfg.timeout
+            if self.cfg.streams <= 1 or raw:
+                futs = [self._exec.submit(ms.batch_get_into, keys, ptrs, sizes)]
             else:
-                rcs = self._call(ms.batch_get_into, keys, [buf.ptr + i * ps for i in range(nparts)], sizes)
-            for i, (got, want) in enumerate(zip(rcs, sizes)):
-                if got < 0:
-                    return self._absent(ms, key, got, f"part {i}/{nparts} of")
-                if got != want:
-                    return GetResult(None, f"{base.CORRUPT}: part {i} of {key!r} has {got} bytes, expected {want}")
-            return h, buf.arr[: h.data_len], head
+                futs = [self._exec.submit(ms.get_into, k, p, sz) for k, p, sz in zip(keys, ptrs, sizes)]
+            done: dict[int, int] = {}
+
+            def ready(lo: int, hi: int) -> None:
+                """Block until the parts covering data bytes [lo, hi) have arrived intact."""
+                for i, (o, sz) in enumerate(parts):
+                    if o < hi and o + sz > lo and i not in done:
+                        if len(futs) == 1:
+                            rcs = self._wait(futs, deadline)[0]
+                            done.update(enumerate(rcs if isinstance(rcs, list) else [rcs]))
+                        else:
+                            done[i] = self._wait([futs[i]], deadline)[0]
+                        for j in ([i] if len(futs) > 1 else range(len(parts))):
+                            if done[j] < 0:
+                                raise _Absent(self._absent(ms, key, done[j], f"part {j}/{len(parts)} of"))
+                            if done[j] != sizes[j]:
+                                raise _Absent(GetResult(None, f"{base.CORRUPT}: part {j} of {key!r} has "
+                                                              f"{done[j]} bytes, expected {sizes[j]}"))
+
+            t1 = time.perf_counter()
+            if raw:
+                ready(0, h.data_len)
+                pre = head[: PREFIX_SIZE + h.header_len].tobytes()
+                return pre + b"\x00" * (h.data_offset - len(pre)) + buf.arr[: h.data_len].tobytes()
+            # copy out of the reused transfer buffer (straight to the device if one is given),
+            # tensor by tensor as their parts arrive
+            kv = decode_data(h, buf.arr[: h.data_len], copy=True, device=device, ready=ready)
+            self.last = {"header_s": t1 - t0, "transfer_and_decode_s": time.perf_counter() - t1}
+            return kv
+        except _Absent as a:
+            return a.result
         except PayloadError as e:
             return GetResult(None, base.reason_for(e))
         except _Timeout as e:
             return GetResult(None, f"{base.TIMEOUT}: get {key!r}: {e}")
+        finally:
+            # a failed get must not leave transfers writing into the buffer we reuse next
+            if "futs" in locals() and not all(f.done() for f in futs):
+                self._abandon()
 
     def get(self, key, expect_model_id=None, expect_config_hash=None, device=None) -> GetResult:
         check_key(key)
-        t0 = time.perf_counter()
-        r = self._fetch(key, expect_model_id, expect_config_hash)
-        if isinstance(r, GetResult):
-            return r
-        h, data, _ = r
-        t1 = time.perf_counter()
-        try:
-            # copy out of the reused transfer buffer (straight to the device if one is given)
-            kv = decode_data(h, data, copy=True, device=device)
-        except PayloadError as e:
-            return GetResult(None, base.reason_for(e))
-        self.last = {"transfer_s": t1 - t0, "decode_s": time.perf_counter() - t1}
-        return GetResult(kv, base.OK)
+        r = self._get(key, expect_model_id, expect_config_hash, device, raw=False)
+        return r if isinstance(r, GetResult) else GetResult(r, base.OK)
 
     def get_bytes(self, key: str) -> bytes | None:
         check_key(key)
-        r = self._fetch(key, None, None)
-        if isinstance(r, GetResult):
-            return None
-        h, data, head = r
-        pre = head[: PREFIX_SIZE + h.header_len].tobytes()
-        return pre + b"\x00" * (h.data_offset - len(pre)) + data.tobytes()
+        r = self._get(key, None, None, None, raw=True)
+        return None if isinstance(r, GetResult) else r
 
     # ------------------------------------------------------------ exists / delete / list
 

@@ -23,7 +23,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -219,36 +219,58 @@ def payload_size(kv: PromptKV) -> int:
     return data_offset + data_len
 
 
+class EncodeJob:
+    """Encoding of one payload into a buffer, running in the thread pool.
+
+    Each tensor is copied into place (the one copy from engine memory) and its crc32 computed
+    while the bytes are in cache. `wait_range` lets a store start sending the first bytes of the
+    data region before the last tensor is copied; `finish` writes the header (it needs every crc).
+    """
+
+    def __init__(self, kv: PromptKV, buffer: Any, *, put_time: float | None = None):
+        _check_kv(kv)
+        self.kv = kv
+        self.put_time = time.time() if put_time is None else put_time
+        self._hj0, self.data_offset, self.data_len, self.entries = _plan(kv, self.put_time, None)
+        self.size = self.data_offset + self.data_len
+        buf = as_u8(buffer)
+        if buf.nbytes < self.size:
+            raise ValueError(f"buffer of {buf.nbytes} bytes is smaller than the payload ({self.size} bytes)")
+        if not buf.flags.writeable:
+            raise ValueError("buffer is read-only")
+        self.buf = buf
+        data = buf[self.data_offset : self.size]
+
+        def copy_and_crc(entry: dict, t: torch.Tensor) -> str:
+            dst = data[entry["offset"] : entry["offset"] + entry["nbytes"]]
+            if t.device.type == "cpu":
+                np.copyto(dst, tensor_u8(t))
+            else:  # device -> host straight into the buffer
+                torch.from_numpy(dst).copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            return _crc_chunked(dst)
+
+        self.futures = [_pool().submit(copy_and_crc, e, t) for e, (_, t) in zip(self.entries, _entries(kv))]
+
+    def wait_range(self, lo: int, hi: int) -> None:
+        """Block until data-region bytes [lo, hi) are encoded."""
+        for e, f in zip(self.entries, self.futures):
+            if e["offset"] < hi and e["offset"] + e["nbytes"] > lo:
+                f.result()
+
+    def finish(self) -> int:
+        crcs = [f.result() for f in self.futures]
+        hj, data_offset, _, _ = _plan(self.kv, self.put_time, crcs)
+        assert data_offset == self.data_offset and len(hj) == len(self._hj0)  # crcs are fixed width
+        head = _prefix(hj, data_offset, self.data_len) + hj
+        self.buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        self.buf[len(head) : data_offset] = 0
+        return self.size
+
+
 def encode_into(kv: PromptKV, buffer: Any, *, put_time: float | None = None) -> int:
-    """Write the payload for `kv` into `buffer` (bytes-like, numpy or CPU torch uint8) and return
-    its size. Tensors are copied straight into place (the one copy from engine memory), each copy
-    followed by its crc32 while the bytes are still in cache, in a thread pool."""
-    _check_kv(kv)
-    put_time = time.time() if put_time is None else put_time
-    hj0, data_offset, data_len, tensors = _plan(kv, put_time, None)
-    buf = as_u8(buffer)
-    if buf.nbytes < data_offset + data_len:
-        raise ValueError(f"buffer of {buf.nbytes} bytes is smaller than the payload ({data_offset + data_len} bytes)")
-    if not buf.flags.writeable:
-        raise ValueError("buffer is read-only")
-    data = buf[data_offset : data_offset + data_len]
-
-    def copy_and_crc(item: tuple[dict, torch.Tensor]) -> str:
-        entry, t = item
-        dst = data[entry["offset"] : entry["offset"] + entry["nbytes"]]
-        if t.device.type == "cpu":
-            np.copyto(dst, tensor_u8(t))
-        else:  # device -> host straight into the buffer
-            torch.from_numpy(dst).copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        return _crc_chunked(dst)
-
-    crcs = list(_pool().map(copy_and_crc, zip(tensors, (t for _, t in _entries(kv)))))
-    hj, data_offset2, _, _ = _plan(kv, put_time, crcs)
-    assert data_offset2 == data_offset and len(hj) == len(hj0)  # crcs are fixed width
-    head = _prefix(hj, data_offset, data_len) + hj
-    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-    buf[len(head) : data_offset] = 0
-    return data_offset + data_len
+    """Write the payload for `kv` into `buffer` (bytes-like, numpy or CPU torch uint8); returns
+    its size. Zero-copy apart from the one copy of each tensor into place."""
+    return EncodeJob(kv, buffer, put_time=put_time).finish()
 
 
 def encode_payload(kv: PromptKV, *, put_time: float | None = None) -> np.ndarray:
@@ -357,32 +379,57 @@ def decode_data(
     verify: bool = True,
     copy: bool = False,
     device: str | torch.device | None = None,
+    ready: Callable[[int, int], None] | None = None,
 ) -> PromptKV:
-    """PromptKV from a parsed header and the data region held elsewhere (a store's buffer)."""
+    """PromptKV from a parsed header and the data region held elsewhere (a store's buffer).
+
+    `ready(lo, hi)`, if given, blocks until data bytes [lo, hi) have arrived (or raises), so a
+    store can decode the first tensors while later parts are still in flight."""
     data = as_u8(data)
     if data.nbytes < h.data_len:
         raise PayloadError("truncated", f"data region has {data.nbytes} bytes, header says {h.data_len}")
     data = data[: h.data_len]
-    if verify:
-        verify_data(h, data)
     f = h.fields
     dtype = _DTYPES[f["dtype"]]
-    if device is not None and torch.device(device).type != "cpu":
-        region = torch.from_numpy(data if data.flags.writeable else data.copy()).to(device)
-    elif copy or not data.flags.writeable:
+    for e in h.tensors:
+        if e.offset < 0 or e.offset + e.nbytes > h.data_len:
+            raise PayloadError("bad_header", f"tensor {e.name} lies outside the data region")
+    if (copy or not data.flags.writeable) and (device is None or torch.device(device).type == "cpu"):
+        # copy each tensor, then crc the copy while it is in cache: one read pass, not two
         region_np = np.empty(h.data_len, dtype=np.uint8)
-        parallel_copy(region_np, data)
+        ents = h.tensors
+
+        def copy_and_crc(e: TensorEntry) -> str:
+            dst = region_np[e.offset : e.offset + e.nbytes]
+            np.copyto(dst, data[e.offset : e.offset + e.nbytes])
+            return _crc_chunked(dst)
+
+        futs = []
+        for e in ents:
+            if ready:
+                ready(e.offset, e.offset + e.nbytes)
+            futs.append(_pool().submit(copy_and_crc, e))
+        crcs = [f.result() for f in futs]
+        if verify:
+            for e, c in zip(ents, crcs):
+                if c != e.crc:
+                    raise PayloadError("checksum_mismatch", f"tensor {e.name}: crc32 {c}, header says {e.crc}")
         region = torch.from_numpy(region_np)
     else:
-        region = torch.from_numpy(data)
+        if ready:
+            ready(0, h.data_len)
+        if verify:
+            verify_data(h, data)
+        if device is not None and torch.device(device).type != "cpu":
+            region = torch.from_numpy(data if data.flags.writeable else data.copy()).to(device)
+        else:
+            region = torch.from_numpy(data)
     shapes = f["shapes"]
     ents = h.tensors
     if len(ents) != 2 * len(shapes):
         raise PayloadError("bad_header", f"{len(ents)} tensors for {len(shapes)} layers")
     tensors = {}
     for e, shape in zip(ents, [s for s in shapes for _ in (0, 1)]):
-        if e.offset + e.nbytes > h.data_len:
-            raise PayloadError("bad_header", f"tensor {e.name} ends past the data region")
         tensors[e.name] = region[e.offset : e.offset + e.nbytes].view(dtype).reshape(shape)
     n = len(shapes)
     try:
