@@ -134,12 +134,14 @@ def test_resume_keeps_finished_runs(tmp_path) -> None:
         calls.append(run_id)
         return fake_runner(params, output, run_id, ar_from)
 
-    spec = parse_spec(spec_dict(precision_budget=False))
+    spec = parse_spec(spec_dict(precision_budget={"determinism": False, "ar_diversity": False}))
     run_sweep(spec, tmp_path, "s", runner=runner, log=_quiet, report=False)
     (tmp_path / "s" / "runs" / "reuse-s4" / "summary.json").unlink()
     calls.clear()
     run_sweep(spec, tmp_path, "s", runner=runner, log=_quiet, report=False, resume=True)
     assert calls == ["reuse-s4"]
+    (drift,) = _table(tmp_path / "s" / "budget.parquet")
+    assert drift["note"].startswith("AR outputs taken from the reference run")  # kept from the first run
 
 
 def _write_spec(tmp_path: Path, **over: Any) -> Path:
@@ -177,3 +179,31 @@ def test_sample_dataset_is_written_into_the_sweep(tmp_path) -> None:
     table = pq.read_table(path)
     assert table.num_rows == 5 and "seed" not in table.column_names
     assert set(table.column_names) == {"id", "instruction", "image"}
+
+
+def _resized_runner(resize: str):  # type: ignore[no-untyped-def]
+    """Runner whose config `resize` returns row r2 at another aspect ratio (another ratio token)."""
+
+    def runner(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
+        rows = fake_rows(params)
+        if run_id == resize:
+            rows[2]["image"] = rows[2]["image"].transpose(1, 0, 2).copy()
+        write_run(output, run_id, rows)
+        return JobOutcome(ar_pinned=ar_from is not None)
+
+    return runner
+
+
+def test_a_size_change_is_observed_in_ungated_configs_but_fails_gated_ones(tmp_path) -> None:
+    spec = parse_spec(spec_dict(overrides=PASSING_OVERRIDES))
+    ok = run_sweep(spec, tmp_path, "ungated", runner=_resized_runner("ar-diversity"), log=_quiet)
+    assert ok.passed, ok.failures
+    (div,) = [b for b in _table(tmp_path / "ungated" / "budget.parquet") if b["role"] == "ar_diversity"]
+    assert "1 row(s) changed image size" in div["note"]
+    assert div["token_rows"] == 4 and div["tokens_identical_rows"] == 0  # the AR side still compares
+    html = ok.report.read_text()
+    assert "size differs: 64×96 vs 96×64" in html and 'class="badge SIZE"' in html
+
+    bad = run_sweep(spec, tmp_path, "gated", runner=_resized_runner("recompute-s8"), log=_quiet, report=False)
+    assert [f.split(":")[0] for f in bad.failures] == ["recompute-s8"]
+    assert "size_mismatch" in bad.failures[0]

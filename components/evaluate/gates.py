@@ -8,7 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from components.evaluate.metrics import MISMATCH_LEVELS, OK, mismatch_key
+from components.evaluate.metrics import MISMATCH_LEVELS, OK, SIZE_MISMATCH, mismatch_key
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,10 @@ def summarize(rows: list[dict[str, Any]], th: Thresholds | None = None) -> dict[
     for level in MISMATCH_LEVELS:
         out[f"{mismatch_key(level)}_mean"] = _mean(_vals(ok, mismatch_key(level)))
     out["bitwise_rows"] = sum(1 for r in ok if r.get("bitwise"))
-    out["cot_similarity_mean"] = _mean(_vals(ok, "cot_similarity"))
-    tok = [r for r in ok if r.get("tokens_identical") is not None]
+    out["rows_size_mismatch"] = sum(1 for r in rows if r.get("eval_status") == SIZE_MISMATCH)
+    # AR-side metrics come from every row whose text/tokens could be compared (even a size change).
+    out["cot_similarity_mean"] = _mean(_vals(rows, "cot_similarity"))
+    tok = [r for r in rows if r.get("tokens_identical") is not None]
     out["token_rows"] = len(tok)
     out["tokens_identical_rows"] = sum(1 for r in tok if r["tokens_identical"])
     divs = sorted(int(r["first_divergence"]) for r in tok if r.get("first_divergence") is not None)

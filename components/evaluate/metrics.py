@@ -220,31 +220,42 @@ def compare_rows(pair: RowPair, ref_dir: Path | str, other_dir: Path | str) -> d
         return _row_failure(pair.id, ERROR_IN_REF, f"reference row failed: {ref.error or ref.status}", pair)
     if not other.ok:
         return _row_failure(pair.id, ERROR_IN_RUN, f"row failed: {other.error or other.status}", pair)
+    text = _text_metrics(ref, other)  # the AR side compares even when the images cannot
     ref_img, other_img = read_image(ref), read_image(other)
     if ref_img is None or other_img is None:
         which = "reference" if ref_img is None else "run"
         path = ref.image_path if ref_img is None else other.image_path
-        return _row_failure(pair.id, IMAGE_MISSING, f"{which} image not found ({path})", pair)
+        return _row_failure(pair.id, IMAGE_MISSING, f"{which} image not found ({path})", pair) | text
     try:
         metrics = compare_images(ref_img, other_img)
     except ImageMismatchError as exc:
-        return _row_failure(pair.id, SIZE_MISMATCH, str(exc), pair)
+        out = _row_failure(pair.id, SIZE_MISMATCH, str(exc), pair) | text
+        out["ref_image_path"] = str(ref.image_path)
+        out["image_path"] = str(other.image_path)
+        out["width"], out["height"] = other_img.size
+        return out
     out: dict[str, Any] = {"id": pair.id, "eval_status": OK, "eval_error": ""}
     out.update(metrics)
-    out["cot_similarity"] = text_similarity(ref.cot_text, other.cot_text)
-    out["cot_prefix_chars"] = common_prefix_len(ref.cot_text, other.cot_text)
-    if ref.generated_ids is not None and other.generated_ids is not None:
-        div = first_divergence(ref.generated_ids, other.generated_ids)
-        out["tokens_identical"] = div is None
-        out["first_divergence"] = div
-    else:
-        out["tokens_identical"] = None
-        out["first_divergence"] = None
+    out.update(text)
     la, lb = load_latents(ref), load_latents(other)
     out["latent_cos_dist"] = latent_cosine_distance(la, lb) if la is not None and lb is not None else None
     out["ref_image_path"] = str(ref.image_path) if ref.image_path else ""
     out["image_path"] = str(other.image_path) if other.image_path else ""
     out.update(other.timing_fields())
+    return out
+
+
+def _text_metrics(ref: RunRow, other: RunRow) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "cot_similarity": text_similarity(ref.cot_text, other.cot_text),
+        "cot_prefix_chars": common_prefix_len(ref.cot_text, other.cot_text),
+        "tokens_identical": None,
+        "first_divergence": None,
+    }
+    if ref.generated_ids is not None and other.generated_ids is not None:
+        div = first_divergence(ref.generated_ids, other.generated_ids)
+        out["tokens_identical"] = div is None
+        out["first_divergence"] = div
     return out
 
 

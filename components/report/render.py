@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from components.evaluate.gates import Thresholds, fmt_db, row_violations
-from components.evaluate.metrics import OK, ImageMismatchError, abs_diff_map, percentile_key
+from components.evaluate.metrics import OK, SIZE_MISMATCH, ImageMismatchError, abs_diff_map, percentile_key
 from components.evaluate.runio import load_run_rows
 from components.report import plots
 from components.report.template import TEMPLATE
@@ -74,9 +74,20 @@ def _status(rec: dict[str, Any]) -> str:
     return "PASS" if rec.get("gated") else "INFO"
 
 
+def _rows_ok(rec: dict[str, Any]) -> str:
+    if rec.get("run_error"):
+        return "run failed"
+    if rec.get("eval_error"):
+        return "eval failed"
+    text = f"{rec.get('rows_compared', 0)}/{rec.get('rows') or 0}"
+    resized = rec.get("rows_size_mismatch") or 0
+    return text + (f" ({resized} resized)" if resized else "")
+
+
 def _cell_classes(rec: dict[str, Any], th: Thresholds | None) -> dict[str, str]:
     cls = {"rows": "", "psnr": "", "ssim": "", "mean_abs": "", "p99": ""}
-    if rec.get("rows_failed_eval") or rec.get("run_error") or rec.get("eval_error"):
+    resized_ok = 0 if rec.get("gated") else (rec.get("rows_size_mismatch") or 0)
+    if (rec.get("rows_failed_eval") or 0) > resized_ok or rec.get("run_error") or rec.get("eval_error"):
         cls["rows"] = "bad"
     if th is None or not rec.get("gated") or not rec.get("rows_compared"):
         return cls
@@ -147,7 +158,7 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
                 "role_label": ROLE_LABELS.get(rec.get("role", ""), ""),
                 "status": status,
                 "status_title": "; ".join(rec.get("violations") or []) or ("not gated" if not rec.get("gated") else "all rows pass"),
-                "rows_ok": f"{rec.get('rows_compared', 0)}/{n}" if not rec.get("run_error") else "run failed",
+                "rows_ok": _rows_ok(rec),
                 "psnr_mean": _db(rec.get("psnr_mean")),
                 "psnr_min": _db(rec.get("psnr_min")),
                 "ssim_min": _f(rec.get("ssim_min")),
@@ -283,12 +294,21 @@ def _row_context(
     worst_name, worst_psnr = "", math.inf
     for name in others:
         rec = cells.get(name)
-        cell: dict[str, Any] = {"config": name, "bitwise": False, "badge": "", "error": ""}
+        cell: dict[str, Any] = {"config": name, "bitwise": False, "badge": "", "error": "", "size_note": "", "extra": ""}
         ctx["cells"].append(cell)
         if rec is None:
             cell["error"] = "no metrics for this row (run or evaluation failed)"
             cell["badge"] = "FAIL"
             continue
+        th = cfg_th.get(name)
+        if rec.get("eval_status") == SIZE_MISMATCH:
+            img = _open(_find_image(rec.get("image_path"), runs, name, rid))
+            if img is not None and ref_img is not None:
+                cell["img"] = plots.png_data_uri(plots.thumbnail(img))
+                cell["size_note"] = f"size differs: {img.size[0]}×{img.size[1]} vs {ref_img.size[0]}×{ref_img.size[1]}"
+                cell["badge"] = "FAIL" if th is not None and th.active else "SIZE"
+                cell["extra"] = _extra(rec)
+                continue
         if rec.get("eval_status") != OK:
             cell["error"] = f"{rec.get('eval_status')}: {rec.get('eval_error')}"
             cell["badge"] = "FAIL"
@@ -303,7 +323,6 @@ def _row_context(
         except ImageMismatchError as exc:
             cell["error"] = str(exc)
             continue
-        th = cfg_th.get(name)
         psnr, ssim = _num(rec.get("psnr")), _num(rec.get("ssim"))
         cell.update(
             img=plots.png_data_uri(plots.thumbnail(img)),
@@ -316,18 +335,7 @@ def _row_context(
             psnr_cls="bad" if th and th.psnr_min is not None and psnr is not None and psnr < th.psnr_min else "",
             ssim_cls="bad" if th and th.ssim_min is not None and ssim is not None and ssim < th.ssim_min else "",
         )
-        extra = []
-        cot = _num(rec.get("cot_similarity"))
-        if cot is not None and cot < 1:
-            extra.append(f"CoT sim {cot:.3f}")
-        if rec.get("tokens_identical") is False and rec.get("first_divergence") is not None:
-            extra.append(f"tokens diverge @{rec['first_divergence']}")
-        if rec.get("kv_path"):
-            extra.append(f"kv {rec['kv_path']}")
-        t = _num(rec.get("time_per_image_s"))
-        if t is not None:
-            extra.append(_secs(t))
-        cell["extra"] = " · ".join(extra)
+        cell["extra"] = _extra(rec)
         if th is not None and th.active:
             if not cell["bitwise"]:
                 cell["badge"] = "FAIL" if row_violations(rec, th) else "PASS"
@@ -341,6 +349,22 @@ def _row_context(
     else:
         ctx["worst"] = "identical to the reference"
     return ctx
+
+
+def _extra(rec: dict[str, Any]) -> str:
+    """The AR side and timing of one cell: CoT similarity, token divergence, KV path, time."""
+    extra = []
+    cot = _num(rec.get("cot_similarity"))
+    if cot is not None and cot < 1:
+        extra.append(f"CoT sim {cot:.3f}")
+    if rec.get("tokens_identical") is False and rec.get("first_divergence") is not None:
+        extra.append(f"tokens diverge @{rec['first_divergence']}")
+    if rec.get("kv_path"):
+        extra.append(f"kv {rec['kv_path']}")
+    t = _num(rec.get("time_per_image_s"))
+    if t is not None:
+        extra.append(_secs(t))
+    return " · ".join(extra)
 
 
 def render_report(sweep_dir: str | Path, max_rows: int = 24) -> str:

@@ -52,6 +52,7 @@ td.measure { white-space: normal; min-width: 220px; text-align: left; }
 .badge.INFO { background: var(--info-bg); color: var(--info); }
 .badge.REF { background: var(--ref-bg); color: var(--ref); }
 .badge.BIT { background: #fbefff; color: #8250df; }
+.badge.SIZE { background: #fff8c5; color: #9a6700; }
 ul.fails { margin: 12px 0 0; padding: 10px 14px 10px 30px; background: var(--fail-bg); border-radius: 8px;
   color: #82071e; font-size: 12.5px; }
 ul.fails li { margin: 2px 0; }
@@ -70,7 +71,7 @@ figcaption { font-size: 12px; color: var(--muted); margin-top: 6px; }
 .cell { min-width: 0; }
 .cell .title { overflow: hidden; text-overflow: ellipsis; font: 600 12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; margin-bottom: 5px; min-height: 20px;
   display: flex; justify-content: space-between; align-items: center; gap: 4px; }
-.cell img { width: 100%; height: auto; display: block; border-radius: 6px; background: #eee;
+.cell img { width: 100%; height: auto; max-height: 260px; object-fit: contain; display: block; border-radius: 6px; background: #eee;
   image-rendering: {{ 'pixelated' if pixelated else 'auto' }}; }
 .cell img.heat { margin-top: 6px; }
 .cell .m { font-size: 11.5px; color: var(--muted); margin-top: 5px; line-height: 1.35;
@@ -199,6 +200,9 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
       <div class="title"><span>{{ c.config }}</span>{% if c.bitwise %}<span class="badge BIT">bitwise</span>{% elif c.badge %}<span class="badge {{ c.badge }}">{{ c.badge }}</span>{% endif %}</div>
       {% if c.error %}
         <div class="failbox">{{ c.error }}</div>
+      {% elif c.size_note %}
+        <img src="{{ c.img }}" alt="{{ c.config }} image {{ r.id }}">
+        <div class="m"><b class="{{ 'bad' if c.badge == 'FAIL' else '' }}">{{ c.size_note }}</b> · no pixel metrics{% if c.extra %}<br>{{ c.extra }}{% endif %}</div>
       {% else %}
         <img src="{{ c.img }}" alt="{{ c.config }} image {{ r.id }}">
         <img class="heat" src="{{ c.heat }}" alt="{{ c.config }} difference heatmap {{ r.id }}">

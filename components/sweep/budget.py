@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any
 
 from components.evaluate.gates import summarize
-from components.evaluate.metrics import OK
+from components.evaluate.metrics import OK, SIZE_MISMATCH
 from components.sweep.spec import AR_DIVERSITY, DETERMINISM, REUSE_DRIFT, SweepConfig
 
 MEASURES = {
@@ -85,7 +85,10 @@ def compute_budget(
             first_divergence_median=stats["first_divergence_median"],
             latent_cos_dist_mean=stats["latent_cos_dist_mean"],
         )
-        failed = len(rows) - len([r for r in rows if r.get("eval_status") == OK])
+        resized = sum(1 for r in used if r.get("eval_status") == SIZE_MISMATCH)
+        failed = len(used) - len(ok) - resized
+        if resized:
+            notes.append(f"{resized} row(s) changed image size (another ratio): no pixel metrics")
         if failed:
             notes.append(f"{failed} row(s) could not be compared")
         if cfg.role == AR_DIVERSITY and ok and stats["token_rows"] == 0:

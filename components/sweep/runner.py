@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from components.evaluate.gates import records_to_table
+from components.evaluate.metrics import OK, SIZE_MISMATCH
 from components.evaluate.run import evaluate_run
 from components.sweep.budget import compute_budget
 from components.sweep.spec import REFERENCE, SweepConfig, SweepSpec
@@ -111,6 +112,9 @@ def run_sweep(
     dataset = materialize_dataset(spec.base["dataset"], sweep_dir)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
+    previous: dict[str, Any] = {}
+    if resume and (sweep_dir / "sweep.json").is_file():
+        previous = json.loads((sweep_dir / "sweep.json").read_text()).get("states", {})
     states: dict[str, dict[str, Any]] = {}
     for cfg in spec.configs:
         state: dict[str, Any] = {"run_error": "", "notes": [], "wall_s": None, "ar_pinned": False, "skipped": False}
@@ -119,6 +123,9 @@ def run_sweep(
             state["run_error"] = f"not run: {cfg.ar_from} failed"
             continue
         if resume and _run_done(runs / cfg.name):
+            before = previous.get(cfg.name, {})
+            state["ar_pinned"] = bool(before.get("ar_pinned", False))
+            state["notes"] = [n for n in before.get("notes", []) if not n.startswith("resumed")]
             state["skipped"] = True
             state["notes"].append("resumed: existing run kept")
             log(f"[{cfg.name}] already finished, kept")
@@ -242,8 +249,13 @@ def evaluate_sweep(
         summary.pop("thresholds", None)
         rec.update(summary)
         if not cfg.gated:
-            # Ungated configs still fail when rows could not be compared or did not run.
-            rec["violations"] = [f"{r['id']}: {r['eval_status']}: {r['eval_error']}" for r in rows if r["eval_status"] != "ok"]
+            # Ungated configs still fail when rows are missing, failed or have no image; a size
+            # change is an observed difference there (e.g. another seed picks another ratio).
+            rec["violations"] = [
+                f"{r['id']}: {r['eval_status']}: {r['eval_error']}"
+                for r in rows
+                if r["eval_status"] not in (OK, SIZE_MISMATCH)
+            ]
             rec["passed"] = not rec["violations"]
         for r in rows:
             r["config"] = cfg.name
