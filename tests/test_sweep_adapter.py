@@ -1,0 +1,61 @@
+"""The one seam to pipeline.local.run_job: what is passed, what is dropped, what is an error."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from components.sweep.runner import AR_FROM_PARAM, run_job_adapter
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, run_job: Any) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return run_job(*args, **kwargs)
+
+    recording.__signature__ = inspect.signature(run_job)  # type: ignore[attr-defined]
+    module = types.ModuleType("pipeline.local")
+    module.run_job = recording  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pipeline.local", module)
+    return calls
+
+
+def test_optional_params_are_dropped_with_a_note(monkeypatch, tmp_path: Path) -> None:
+    def run_job(dataset: str, output: str, run_id: str, kind: str = "edit", steps: int = 8,
+                kv_reuse: bool = True, seed: int = 0) -> dict:  # fmt: skip
+        return {"run_id": run_id}
+
+    calls = _install(monkeypatch, run_job)
+    out = run_job_adapter({"dataset": "d", "steps": 4, "kv_reuse": False, "save_latents": True, "weights": None},
+                          tmp_path, "cfg", "ref")  # fmt: skip
+    assert calls == [{"dataset": "d", "steps": 4, "kv_reuse": False, "output": str(tmp_path), "run_id": "cfg"}]
+    assert out.result == {"run_id": "cfg"}
+    assert out.ar_pinned is False
+    assert sorted(out.notes) == sorted([f"run_job does not accept {AR_FROM_PARAM}; not passed",
+                                        "run_job does not accept save_latents; not passed"])  # fmt: skip
+
+
+def test_everything_is_passed_when_accepted(monkeypatch, tmp_path: Path) -> None:
+    def run_job(**params: Any) -> dict:
+        return {}
+
+    calls = _install(monkeypatch, run_job)
+    out = run_job_adapter({"dataset": "d", "dtype": "bfloat16", "save_latents": True}, tmp_path, "cfg", "ref")
+    assert calls[0][AR_FROM_PARAM] == "ref" and calls[0]["save_latents"] is True and calls[0]["dtype"] == "bfloat16"
+    assert out.ar_pinned is True and out.notes == []
+
+
+def test_a_sweep_parameter_the_runner_lacks_is_an_error(monkeypatch, tmp_path: Path) -> None:
+    def run_job(dataset: str, output: str, run_id: str) -> dict:
+        return {}
+
+    _install(monkeypatch, run_job)
+    with pytest.raises(TypeError, match="does not accept 'dtype'"):
+        run_job_adapter({"dataset": "d", "dtype": "bfloat16"}, tmp_path, "cfg", None)
