@@ -26,7 +26,7 @@ from .ar import AROutput, request_seed
 from .inputs import EncodedImage, embed_span, encode_cond_images
 from .kvcache import PromptKV
 from .sequence import Sequence, SequenceBuilder
-from .transformer import HunyuanImage3ForCausalMM, KVCache, attention_mask
+from .transformer import HeadMask, HunyuanImage3ForCausalMM, KVCache, attention_mask
 
 
 @dataclass
@@ -187,10 +187,10 @@ class DiTGenerator:
         x = x.expand(batch, -1, -1)
         start, end = gen.timestep_index, gen.end
         positions = seq.positions()[start:end].expand(batch, -1, -1)
-        blocks = seq.block_ids()
-        mask = attention_mask(torch.arange(start, end).expand(batch, -1), torch.arange(end).expand(batch, -1),
-                              blocks[start:end].expand(batch, -1), blocks[:end].expand(batch, -1))
-        hidden = model.forward_layers(x, positions.to(model.device), mask.to(model.device), cache)
+        # <timestep> sees the prefix and itself; the image block (last in the sequence) sees all.
+        timestep_row = torch.arange(end) <= start
+        mask = HeadMask(timestep_row.view(1, 1, 1, end).expand(batch, 1, 1, end).to(model.device), rows=1)
+        hidden = model.forward_layers(x, positions.to(model.device), mask, cache)
         out = model.image_output(hidden[:, 1:], t.expand(batch), gen.h, gen.w).float()
         if batch == 1:
             return out

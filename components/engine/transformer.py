@@ -9,6 +9,7 @@ GEMM; `weights.py` maps them to and from the official per-expert names.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,26 @@ class KVCache:
         return out
 
 
+@dataclass
+class HeadMask:
+    """A mask for the first `rows` queries only; the remaining queries see every key.
+
+    The DiT's denoising step is `<timestep>` (causal) followed by the image block, which attends
+    to the whole prefix and itself: its queries need no mask, so SDPA can take its flash kernel.
+    """
+
+    mask: torch.Tensor  # bool [B, 1, rows, S]
+    rows: int
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    if isinstance(mask, HeadMask):
+        head = F.scaled_dot_product_attention(q[:, :, :mask.rows], k, v, attn_mask=mask.mask, enable_gqa=True)
+        tail = F.scaled_dot_product_attention(q[:, :, mask.rows:], k, v, enable_gqa=True)
+        return torch.cat([head, tail], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 class Attention(nn.Module):
     """GQA with QK-norm (RMSNorm on Q and K after RoPE, as in the official code)."""
 
@@ -131,7 +152,7 @@ class Attention(nn.Module):
         k = self.key_layernorm(apply_rope(k, cos, sin))
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -390,7 +411,7 @@ class HunyuanImage3ForCausalMM(nn.Module):
 
     def forward_layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                        cache: KVCache | None) -> torch.Tensor:
-        """x [B, T, H]; positions [B, T, 2] (y, x); mask bool [B, 1, T, S] or None (attend all)."""
+        """x [B, T, H]; positions [B, T, 2] (y, x); mask bool [B, 1, T, S], a HeadMask, or None."""
         cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, cache, i)

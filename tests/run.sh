@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up a test environment from scratch and run the whole suite.
+#   bash tests/run.sh [pytest args...]
+# Installs torch first (pinned, CPU), then the project with its test extras under the same pin,
+# then the Debian packages the tests need (libibverbs1 for Mooncake, chromium for the report test).
+# The suite runs inside a private network namespace with only loopback, so the real servers the
+# tests start (Mooncake, SeaweedFS) can reach nothing but 127.0.0.1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -c constraints.txt -e ".[test]"
+
+need_apt=()
+/sbin/ldconfig -p | grep -q libibverbs.so.1 || need_apt+=(libibverbs1)
+command -v chromium >/dev/null || need_apt+=(chromium)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    echo "note: missing Debian packages ${need_apt[*]} (install as root); tests needing them will skip" >&2
+  fi
+fi
+
+export PYTHONUNBUFFERED=1 MC_TCP_BIND_ADDRESS=127.0.0.1
+if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
+  # shellcheck disable=SC2016
+  exec unshare -n bash -c 'ip link set lo up && exec .venv/bin/pytest "$@"' pytest -p no:cacheprovider "$@"
+fi
+echo "note: no private network namespace available (needs root): skipping tests that start servers" >&2
+exec .venv/bin/pytest -p no:cacheprovider -m "not servers" "$@"
