@@ -1,0 +1,477 @@
+"""Whole jobs through the real step programs and the real services (SeaweedFS S3, Mooncake).
+
+- edit / generate jobs with dataset and outputs on S3 and the KV handoff through Mooncake, each
+  step a real subprocess (`python -m components.shard|ar|dit|summary`), plus the `ardit` CLI;
+- a DiT step SIGKILLed after its first row, then re-run: it resumes without redoing that row;
+- bad input rows (corrupt image, missing instruction, prompt over the budget, unsupported size);
+- transient S3 503s injected by a loopback reverse proxy in front of SeaweedFS.
+
+Small on purpose (2-core CI box): tiny model, 2-4 rows per shard, 3 denoising steps, 6 CoT tokens.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.fixtures_mooncake import mooncake_servers, mooncake_url  # noqa: F401  (pytest fixtures)
+from tests.fixtures_s3 import s3_env, s3_prefix, seaweedfs  # noqa: F401  (pytest fixtures)
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ["--steps", "3"]
+AR_FAST = ["--max-new-tokens", "6"]
+ENGINE = ["--model", "tiny", "--device", "cpu"]
+STEP_TIMEOUT_S = 600
+
+pytestmark = pytest.mark.slow
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def run_step(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """One step program as a real subprocess; fails the test with its output when it fails."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env or dict(os.environ),
+                          capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    assert proc.returncode == 0, f"{module} {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def last_json(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bucket_keys(server, prefix: str) -> list[str]:
+    """Every key under `prefix` in the bucket, straight from the S3 server (boto3, paginated)."""
+    client = server.client()
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket, Prefix=prefix):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    return sorted(keys)
+
+
+def s3_key_prefix(uri: str) -> str:
+    """s3://bucket/a/b -> 'a/b'."""
+    return urlparse(uri).path.lstrip("/")
+
+
+def mooncake_keys_of(url: str, run_id: str) -> tuple[list[str], list[str]]:
+    """(payload keys, every raw object incl. parts) of one run in the Mooncake store."""
+    from components.kvstore import open_store
+
+    store = open_store(url)
+    try:
+        return store.keys(run_id), [k for k in store.raw_keys() if k.startswith(f"{run_id}/")]
+    finally:
+        store.close()
+
+
+def read_rows(store, run_id: str, shard: int) -> list[dict]:
+    return pq.read_table(io.BytesIO(store.get_bytes(f"{run_id}/shards/{shard}/rows.parquet"))).to_pylist()
+
+
+def check_committed_run(store, run_id: str, expected_ids: list[list[str]]) -> list[dict]:
+    """Every shard committed; each input row exactly once, ok, with its PNG of the recorded size."""
+    from PIL import Image
+
+    from components.data.runs import RunLayout
+
+    layout = RunLayout(store, run_id)
+    assert layout.verify() == []
+    all_rows = []
+    for shard, ids in enumerate(expected_ids):
+        assert store.exists(f"{run_id}/shards/{shard}/_COMMITTED")
+        rows = read_rows(store, run_id, shard)
+        assert [r["id"] for r in rows] == ids
+        for r in rows:
+            assert r["status"] == "ok", r
+            assert r["error"] is None
+            assert r["image_key"] == f"{run_id}/shards/{shard}/images/{r['id']}.png"
+            with Image.open(io.BytesIO(store.get_bytes(r["image_key"]))) as img:
+                assert img.format == "PNG" and img.size == (r["width"], r["height"])
+        pngs = store.list(f"{run_id}/shards/{shard}/images/")
+        assert pngs == sorted(f"{run_id}/shards/{shard}/images/{i}.png" for i in ids)
+        all_rows += rows
+    return all_rows
+
+
+# ----------------------------------------------------------- 1. real services, real processes
+
+
+def _steps_job_on_services(s3_env, s3_prefix, mooncake_url, kind: str, num_rows: int,
+                           num_shards: int) -> None:
+    from components.data.objectstore import open_object_store
+    from components.data.sample import write_sample_edit_dataset, write_sample_generate_dataset
+
+    if kind == "edit":
+        dataset = write_sample_edit_dataset(f"{s3_prefix}/data", n=num_rows, size=64, seed=3)
+    else:
+        dataset = write_sample_generate_dataset(f"{s3_prefix}/data", n=num_rows, seed=3)
+    assert dataset.startswith("s3://")
+    output, run_id = f"{s3_prefix}/out", f"{kind}-svc"
+    env = dict(os.environ)  # the S3 endpoint and credentials (s3_env), MC_TCP_BIND_ADDRESS
+    common = ["--output", output, "--run-id", run_id]
+
+    brief = last_json(run_step("components.shard", "--dataset", dataset, *common, "--num-shards", str(num_shards),
+                               "--kind", kind, env=env))
+    assert (brief["num_rows"], brief["num_valid"], brief["num_errors"]) == (num_rows, num_rows, 0)
+
+    kv = ["--kv-store", mooncake_url]
+    for shard in range(num_shards):
+        run_step("components.ar", *common, "--shard", str(shard), *ENGINE, *kv, *AR_FAST, env=env)
+    # the AR processes have exited; their payloads live on in the Mooncake segment holder
+    payloads, _ = mooncake_keys_of(mooncake_url, run_id)
+    store = open_object_store(output)
+    ids = [[r["id"] for r in pq.read_table(io.BytesIO(store.get_bytes(f"{run_id}/inputs/{k}.parquet"))).to_pylist()]
+           for k in range(num_shards)]
+    assert sorted(sum(ids, [])) == [f"{'edit' if kind == 'edit' else 'gen'}-{i:04d}" for i in range(num_rows)]
+    assert payloads == sorted(f"{run_id}/{k}/{i}" for k in range(num_shards) for i in ids[k])
+
+    for shard in range(num_shards):
+        result = last_json(run_step("components.dit", *common, "--shard", str(shard), *ENGINE, *kv, *STEPS, env=env))
+        assert result["shard"] == shard
+    summary = last_json(run_step("components.summary", *common, "--require-complete", env=env))
+    assert summary["complete"] is True
+
+    # outputs really are in the bucket (listed straight from the server, not through our code)
+    keys = bucket_keys(s3_env, f"{s3_key_prefix(output)}/{run_id}/")
+    base = f"{s3_key_prefix(output)}/{run_id}"
+    for k in range(num_shards):
+        for name in ["_COMMITTED", "rows.parquet", "ar.parquet", *[f"images/{i}.png" for i in ids[k]]]:
+            assert f"{base}/shards/{k}/{name}" in keys, (name, keys)
+    assert f"{base}/summary.json" in keys
+
+    rows = check_committed_run(store, run_id, ids)
+    # the DiT found every AR payload in Mooncake and reused it
+    assert [r["kv_path"] for r in rows] == ["reuse"] * num_rows, [(r["kv_path"], r["kv_reason"]) for r in rows]
+    assert all(r["kv_reason"] is None and r["kv_bytes"] > 0 for r in rows)
+
+    full = json.loads(store.get_bytes(f"{run_id}/summary.json"))
+    assert (full["rows_total"], full["rows_ok"], full["rows_failed"], full["rows_pending"]) == (num_rows, num_rows, 0, 0)
+    assert full["shards_committed"] == list(range(num_shards)) and full["kind"] == kind
+    assert full["kv_paths"] == {"reuse": num_rows} and full["errors"] == []
+
+    # consumed: nothing of the run is left in Mooncake, neither headers nor parts
+    assert mooncake_keys_of(mooncake_url, run_id) == ([], [])
+
+
+@pytest.mark.servers
+def test_edit_job_steps_on_s3_and_mooncake(s3_env, s3_prefix, mooncake_url):
+    _steps_job_on_services(s3_env, s3_prefix, mooncake_url, "edit", num_rows=4, num_shards=2)
+
+
+@pytest.mark.servers
+def test_generate_job_steps_on_s3_and_mooncake(s3_env, s3_prefix, mooncake_url):
+    _steps_job_on_services(s3_env, s3_prefix, mooncake_url, "generate", num_rows=2, num_shards=1)
+
+
+@pytest.mark.servers
+def test_ardit_cli_generate_on_s3_and_mooncake(s3_env, s3_prefix, mooncake_url):
+    """The README command against the services: `ardit generate DATASET -o s3://... --kv-store mooncake://...`."""
+    from components.data.objectstore import open_object_store
+    from components.data.sample import write_sample_generate_dataset
+
+    dataset = write_sample_generate_dataset(f"{s3_prefix}/gen", n=2, seed=5)
+    output, run_id = f"{s3_prefix}/out", "gen-cli"
+    ardit = Path(sys.executable).parent / "ardit"
+    cmd = [str(ardit)] if ardit.exists() else [sys.executable, "-m", "pipeline.cli"]
+    proc = subprocess.run([*cmd, "generate", dataset, "-o", output, "--run-id", run_id, "--kv-store", mooncake_url,
+                           "--num-shards", "2", "--steps", "3", "--device", "cpu"],
+                          cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    store = open_object_store(output)
+    summary = json.loads(store.get_bytes(f"{run_id}/summary.json"))
+    assert (summary["rows_total"], summary["rows_ok"], summary["rows_failed"]) == (2, 2, 0)
+    assert summary["complete"] is True and summary["kv_paths"] == {"reuse": 2}
+    check_committed_run(store, run_id, [["gen-0000"], ["gen-0001"]])
+    assert mooncake_keys_of(mooncake_url, run_id) == ([], [])
+
+
+# ------------------------------------------------------------------- 2. resume after SIGKILL
+
+
+def test_dit_killed_after_first_row_resumes_without_redoing_it(tmp_path):
+    from components.ar.run import run as run_ar
+    from components.data.objectstore import open_object_store
+    from components.data.sample import write_sample_edit_dataset
+    from components.kvstore import open_store
+    from components.shard.run import run as run_shard
+    from components.steps import default_kv_store, model_validators
+    from components.summary.run import run as run_summary
+
+    dataset = write_sample_edit_dataset(str(tmp_path / "data"), n=4, size=64, seed=7)
+    output, run_id = str(tmp_path / "out"), "kill"
+    count_tokens, is_supported_size, max_tokens = model_validators("tiny")
+    run_shard(dataset, output, run_id, 1, "edit", count_tokens=count_tokens, is_supported_size=is_supported_size,
+              max_prompt_tokens=max_tokens)
+    run_ar(output, run_id, 0, max_new_tokens=6, device="cpu")
+    ids = [f"edit-{i:04d}" for i in range(4)]
+    kv = open_store(default_kv_store(output, run_id))
+    assert kv.keys(run_id) == [f"{run_id}/0/{i}" for i in ids]
+
+    shard_dir = Path(output) / run_id / "shards" / "0"
+    cmd = [sys.executable, "-m", "components.dit", "--output", output, "--run-id", run_id, "--shard", "0",
+           *ENGINE, *STEPS]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not list((shard_dir / "rows").glob("*.json")):
+            assert proc.poll() is None, f"DiT exited early ({proc.returncode}):\n{proc.stdout.read().decode()}"
+            assert time.monotonic() < deadline, "no row record appeared"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+
+    done = sorted(p.stem for p in (shard_dir / "rows").glob("*.json"))
+    # precondition: the kill landed mid-shard (rows take seconds each; polled every 50 ms)
+    assert 1 <= len(done) < len(ids) and done[0] == ids[0], done
+    assert not (shard_dir / "_COMMITTED").exists() and not (shard_dir / "rows.parquet").exists()
+    # every record has its image (the image is written first)
+    assert {p.stem for p in (shard_dir / "images").glob("*.png")} >= set(done)
+    # no leftovers of the interrupted atomic writes are visible as objects
+    store = open_object_store(output)
+    assert all(k.endswith((".json", ".png", ".parquet")) for k in store.list(f"{run_id}/shards/0/")), \
+        store.list(f"{run_id}/shards/0/")
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns)
+              for i in done for p in (shard_dir / "rows" / f"{i}.json", shard_dir / "images" / f"{i}.png")}
+    summary = run_summary(output, run_id)
+    assert summary["complete"] is False and summary["shards_uncommitted"] == [0] and summary["rows_ok"] == 0
+    # the consumed payloads are gone, the others wait for the re-run
+    assert kv.keys(run_id) == [f"{run_id}/0/{i}" for i in ids if i not in done]
+
+    result = last_json(run_step("components.dit", "--output", output, "--run-id", run_id, "--shard", "0",
+                                *ENGINE, *STEPS))
+    assert result["shard"] == 0
+    rows = check_committed_run(store, run_id, [ids])
+    assert [r["kv_path"] for r in rows] == ["reuse"] * 4  # the payloads of the unfinished rows survived
+    after = {name: ((shard_dir / ("rows" if name.endswith(".json") else "images") / name).read_bytes(),
+                    (shard_dir / ("rows" if name.endswith(".json") else "images") / name).stat().st_mtime_ns)
+             for name in before}
+    assert after == before  # the rows done before the kill were not redone
+    assert sorted(p.name for p in (shard_dir / "images").iterdir()) == [f"{i}.png" for i in ids]
+    assert kv.keys(run_id) == []
+    summary = run_summary(output, run_id)
+    assert (summary["complete"], summary["rows_ok"], summary["rows_failed"]) == (True, 4, 0)
+
+    # a third run of the committed shard is a no-op
+    assert last_json(run_step("components.dit", "--output", output, "--run-id", run_id, "--shard", "0",
+                              *ENGINE, *STEPS))["skipped"] == "committed"
+
+
+# ---------------------------------------------------------------------------- 3. bad input
+
+
+def test_bad_rows_become_error_rows_and_the_rest_run(tmp_path):
+    from components.data.datasets import write_parquet_bytes
+    from components.data.objectstore import open_object_store
+    from components.data.sample import draw_scene
+    from pipeline.local import run_job
+    import random
+
+    rng = random.Random(11)
+    png = draw_scene(64, rng)
+    rows = [
+        {"id": "good-a", "instruction": "make the sky purple", "image": png, "size": "auto"},
+        {"id": "corrupt", "instruction": "make it snow", "image": png[: len(png) // 3], "size": "auto"},
+        {"id": "no-text", "instruction": None, "image": draw_scene(64, rng), "size": "auto"},
+        {"id": "too-long", "instruction": "paint every single leaf a different colour " * 40,
+         "image": draw_scene(64, rng), "size": "auto"},
+        {"id": "odd-size", "instruction": "add a rainbow", "image": draw_scene(64, rng), "size": "123x77"},
+        {"id": "good-b", "instruction": "add a small house", "image": draw_scene(64, rng), "size": "256x256"},
+    ]
+    schema = pa.schema([("id", pa.string()), ("instruction", pa.string()), ("image", pa.binary()),
+                        ("size", pa.string())])
+    (tmp_path / "bad.parquet").write_bytes(write_parquet_bytes(pa.Table.from_pylist(rows, schema=schema)))
+    output = str(tmp_path / "out")
+
+    summary = run_job(str(tmp_path / "bad.parquet"), output, "bad", kind="edit", num_shards=2, steps=3,
+                      max_new_tokens=6, device="cpu", progress=False)
+    assert (summary["rows_total"], summary["rows_ok"], summary["rows_failed"], summary["rows_pending"]) == (6, 2, 4, 0)
+    assert summary["complete"] is True
+    errors = {e["id"]: e["error"] for e in summary["errors"]}
+    assert set(errors) == {"corrupt", "no-text", "too-long", "odd-size"}
+    assert "image is not a decodable image" in errors["corrupt"]
+    assert "instruction is missing or empty" in errors["no-text"]
+    assert "over the budget of 256" in errors["too-long"] and "instruction is" in errors["too-long"]
+    assert "size '123x77' is not supported" in errors["odd-size"]
+    for e in errors.values():  # one problem each, named alone
+        assert ";" not in e
+
+    store = open_object_store(output)
+    by_id = {}
+    for shard in (0, 1):
+        for r in read_rows(store, "bad", shard):
+            by_id[r["id"]] = r
+    assert list(by_id) == [r["id"] for r in rows]  # every input row exactly once, in order
+    for rid in ("good-a", "good-b"):
+        r = by_id[rid]
+        assert r["status"] == "ok" and r["error"] is None and store.exists(r["image_key"])
+    assert (by_id["good-b"]["width"], by_id["good-b"]["height"]) == (256, 256)  # the explicit size was kept
+    for rid, err in errors.items():
+        assert by_id[rid]["status"] == "error" and by_id[rid]["error"] == err and by_id[rid]["image_key"] is None
+    images = sorted(k.rsplit("/", 1)[1] for s in (0, 1) for k in store.list(f"bad/shards/{s}/images/"))
+    assert images == ["good-a.png", "good-b.png"]
+
+    # clean exits: the summary program accepts the finished run, and a re-run is a no-op resume
+    proc = run_step("components.summary", "--output", output, "--run-id", "bad", "--require-complete")
+    assert last_json(proc)["rows_failed"] == 4
+    again = run_job(str(tmp_path / "bad.parquet"), output, "bad", kind="edit", num_shards=2, steps=3,
+                    max_new_tokens=6, device="cpu", progress=False)
+    assert (again["rows_ok"], again["rows_failed"]) == (2, 4)
+
+
+# --------------------------------------------------------------------- 4. S3 faults in a job
+
+
+_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+               "expect", "content-length"}
+
+
+class FlakyS3Proxy:
+    """A loopback reverse proxy in front of an S3 server that answers some requests with 503.
+
+    Requests are forwarded unchanged (method, path, query, headers including Host, body), so
+    SigV4 signatures made for the proxy's address still verify upstream. Every `every`-th
+    request of a method in `methods` gets a 503 SlowDown instead, until `max_faults` were sent.
+    """
+
+    def __init__(self, upstream: str, methods=("PUT", "GET", "HEAD"), every: int = 3, max_faults: int = 40):
+        u = urlparse(upstream)
+        self.upstream = (u.hostname, u.port)
+        self.methods, self.every, self.max_faults = set(methods), every, max_faults
+        self.seen: dict[str, int] = {}
+        self.injected: dict[str, int] = {}
+        self.forwarded = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _body(self) -> bytes | None:
+                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                    data = b""
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return data
+                        data += self.rfile.read(size)
+                        self.rfile.readline()
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else (b"" if "Content-Length" in self.headers else None)
+
+            def _handle(self) -> None:
+                body = self._body()
+                if proxy._fault(self.command):
+                    err = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                           b"<Message>Please reduce your request rate (injected by the test proxy).</Message>"
+                           b"<RequestId>flaky-proxy</RequestId></Error>")
+                    self.send_response_only(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(err)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(err)
+                    return
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
+                try:
+                    conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                    for k, v in self.headers.items():
+                        if k.lower() not in _HOP_BY_HOP:
+                            conn.putheader(k, v)
+                    if body is not None:
+                        conn.putheader("Content-Length", str(len(body)))
+                    conn.endheaders(body)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    self.send_response_only(resp.status, resp.reason)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in _HOP_BY_HOP:
+                            self.send_header(k, v)
+                    length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                    self.send_header("Content-Length", length if length is not None else str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    conn.close()
+                with proxy._lock:
+                    proxy.forwarded += 1
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def _fault(self, method: str) -> bool:
+        with self._lock:
+            n = self.seen[method] = self.seen.get(method, 0) + 1
+            if method in self.methods and n % self.every == 0 and sum(self.injected.values()) < self.max_faults:
+                self.injected[method] = self.injected.get(method, 0) + 1
+                return True
+            return False
+
+    def __enter__(self) -> "FlakyS3Proxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=10)
+
+
+@pytest.mark.servers
+def test_job_completes_through_transient_s3_503s(s3_env, s3_prefix, monkeypatch):
+    from components.data.objectstore import open_object_store
+    from components.data.sample import write_sample_edit_dataset
+    from pipeline.local import run_job
+
+    dataset = write_sample_edit_dataset(f"{s3_prefix}/data", n=2, size=64, seed=9)  # direct, no faults
+    output, run_id = f"{s3_prefix}/out", "flaky"
+    with FlakyS3Proxy(s3_env.endpoint, every=3) as proxy:
+        monkeypatch.setenv("ARDIT_S3_ENDPOINT", proxy.url)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        summary = run_job(dataset, output, run_id, kind="edit", num_shards=2, steps=3, max_new_tokens=6,
+                          device="cpu", progress=False)
+    assert (summary["rows_total"], summary["rows_ok"], summary["rows_failed"]) == (2, 2, 0)
+    assert summary["complete"] is True
+    # faults really happened, on writes and on reads, and the rest went through to the server
+    assert proxy.injected.get("PUT", 0) > 0 and proxy.injected.get("GET", 0) + proxy.injected.get("HEAD", 0) > 0, \
+        (proxy.injected, proxy.seen)
+    assert proxy.forwarded > 0
+
+    monkeypatch.setenv("ARDIT_S3_ENDPOINT", s3_env.endpoint)  # check on the server itself
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
+    store = open_object_store(output)
+    check_committed_run(store, run_id, [["edit-0000"], ["edit-0001"]])
+    keys = bucket_keys(s3_env, f"{s3_key_prefix(output)}/{run_id}/")
+    assert f"{s3_key_prefix(output)}/{run_id}/summary.json" in keys
+    assert json.loads(store.get_bytes(f"{run_id}/summary.json"))["rows_ok"] == 2
