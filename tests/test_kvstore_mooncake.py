@@ -113,3 +113,22 @@ def test_cli_up_status_down_from_another_process(tmp_path):
     assert not (state / "servers.json").exists()
     st = subprocess.run([*cli, "status", "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert st.returncode == 1
+
+
+def test_dead_servers_give_unreachable_at_once(small_servers):
+    """Holder killed: its data is gone ('unreachable', later 'missing'); master killed: every get
+    says 'unreachable', health is not ok, puts raise."""
+    s = open_store(small_servers.url + "&timeout=20")
+    kv = make_kv(torch.bfloat16, layers=2, tokens=256, heads=4, head_dim=64)
+    s.put("dead/0/0", kv)
+    os.kill(small_servers.state.pids["holder"], signal.SIGKILL)
+    r = s.get("dead/0/0")
+    assert r.kv is None and r.code in ("unreachable", "missing") and "dead/0/0" in r.reason, r.reason
+    os.kill(small_servers.state.pids["master"], signal.SIGKILL)
+    r = s.get("dead/0/0")
+    assert r.kv is None and r.code == "unreachable", r.reason
+    assert not s.health().ok
+    with pytest.raises(StoreError):
+        s.put("dead/0/1", kv)
+    fresh = open_store(small_servers.url)
+    assert fresh.get("dead/0/0").code == "unreachable"

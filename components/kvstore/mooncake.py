@@ -65,11 +65,19 @@ from components.kvstore.payload import (
 # Mooncake error codes we explain (mooncake-store/include/types.h)
 _CODES = {
     -200: "NO_AVAILABLE_HANDLE: store full (segments hold only pinned objects); delete consumed payloads or enlarge the segment holder",
-    -600: "buffer too small",
+    -600: "INVALID_PARAMS (e.g. buffer too small)",
     -704: "OBJECT_NOT_FOUND",
     -706: "OBJECT_HAS_LEASE",
-    -800: "RPC_FAIL: master unreachable",
+    -707: "LEASE_EXPIRED: the transfer outlived its lease",
+    -800: "TRANSFER_FAIL: the segment holder holding the data did not answer",
+    -801: "CHECKSUM_MISMATCH",
+    -900: "RPC_FAIL: master unreachable",
+    -901: "RPC_TIMEOUT: master did not answer",
 }
+# codes that mean "a server is down", not "this key is absent"
+_DOWN = {-800: "segment holder", -900: "master", -901: "master"}
+
+
 def _explain(rc: int) -> str:
     return f"{rc} ({_CODES.get(rc, 'mooncake error')})"
 
@@ -368,8 +376,10 @@ class MooncakeStore(KVStore):
     def _absent(self, ms: Any, key: str, rc: int, what: str) -> GetResult:
         if rc == -704:
             return GetResult(None, f"{base.MISSING}: no {what} for {key!r} in the store")
-        if ms.health_check() != 0:
-            return GetResult(None, f"{base.UNREACHABLE}: master {self.cfg.master} (get {what} {key!r}: {_explain(rc)})")
+        if rc in _DOWN:  # (health_check() still said ok right after the master was killed)
+            return GetResult(None, f"{base.UNREACHABLE}: {_DOWN[rc]} (master {self.cfg.master}), get {what} {key!r}: {_explain(rc)}")
+        if rc == -707:
+            return GetResult(None, f"{base.TIMEOUT}: get {what} {key!r}: {_explain(rc)}")
         return GetResult(None, f"{base.MISSING}: get {what} {key!r} failed: {_explain(rc)}")
 
     def _header(self, ms: Any, key: str, expect_model_id: str | None, expect_config_hash: str | None):
@@ -534,6 +544,10 @@ class MooncakeStore(KVStore):
     def health(self) -> Health:
         try:
             ms = self._connect()
+        except StoreError as e:
+            return Health(False, str(e))
+        try:  # health_check() alone kept saying ok after the master was killed
+            _probe(*_hostport(self.cfg.master, "master"), self.cfg.connect_timeout, "mooncake master")
         except StoreError as e:
             return Health(False, str(e))
         rc = ms.health_check()
