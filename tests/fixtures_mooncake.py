@@ -21,7 +21,9 @@ def require_loopback_only() -> None:
     """Server tests only run where nothing but `lo` exists, so no traffic can leave the host."""
     names = [n for _, n in socket.if_nameindex()]
     if names != ["lo"]:
-        pytest.skip(f"server tests run in a loopback-only network namespace (found {names}): {NETNS_HINT}")
+        pytest.skip(
+            f"server tests run in a loopback-only network namespace (found {names}): {NETNS_HINT}"
+        )
 
 
 def start_servers(workdir, segment: str = "512MB") -> MooncakeServers:

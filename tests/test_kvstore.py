@@ -21,14 +21,22 @@ from tests.test_kvstore_payload import assert_same, make_kv
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(params=["local", pytest.param("mooncake", marks=pytest.mark.servers),
-                        pytest.param("mooncake-batch", marks=pytest.mark.servers)])
+@pytest.fixture(
+    params=[
+        "local",
+        pytest.param("mooncake", marks=pytest.mark.servers),
+        pytest.param("mooncake-batch", marks=pytest.mark.servers),
+    ]
+)
 def store_url(request, tmp_path):
     if request.param == "local":
         return f"local://{tmp_path}/kv"
     # small parts so tiny tensors still make multi-part payloads; streams=1: one batch call
     streams = 1 if request.param == "mooncake-batch" else 3
-    return request.getfixturevalue("mooncake_url") + f"&part=1MB&timeout=20&streams={streams}"
+    return (
+        request.getfixturevalue("mooncake_url")
+        + f"&part=1MB&timeout=20&streams={streams}"
+    )
 
 
 @pytest.fixture
@@ -54,15 +62,25 @@ def ours(store, run) -> list[str]:
 
 def run_py(code: str, *args: str) -> str:
     """Run `code` in a fresh Python process (its own mooncake client) and return its stdout."""
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, f"child failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    p = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, (
+        f"child failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    )
     return p.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_put_get_roundtrip(store, run, dtype):
-    kv = make_kv(dtype, layers=4, tokens=300, heads=4, head_dim=64)  # ~0.6-1.2 MB: 1-2 parts
+    kv = make_kv(
+        dtype, layers=4, tokens=300, heads=4, head_dim=64
+    )  # ~0.6-1.2 MB: 1-2 parts
     key = f"{run}/0/5"
     assert not store.exists(key)
     n = store.put(key, kv)
@@ -107,7 +125,12 @@ def test_producer_exits_then_another_process_gets_identical_bytes(store_url, run
 
 def test_missing_key_is_absent_with_reason(store, run):
     r = store.get(f"{run}/0/0")
-    assert isinstance(r, GetResult) and r.kv is None and r.code == "missing" and f"{run}/0/0" in r.reason
+    assert (
+        isinstance(r, GetResult)
+        and r.kv is None
+        and r.code == "missing"
+        and f"{run}/0/0" in r.reason
+    )
     assert store.get_bytes(f"{run}/0/0") is None
     assert not store.delete(f"{run}/0/0")
 
@@ -159,7 +182,11 @@ def test_run_cleanup_leaves_no_keys_and_spares_other_runs(store, run):
         for row in range(3):
             store.put(f"{run}/{shard}/{row}", kv)
     store.put(f"{other}/0/0", kv)
-    assert store.exists_many([f"{run}/0/0", f"{run}/9/9", f"{other}/0/0"]) == [True, False, True]
+    assert store.exists_many([f"{run}/0/0", f"{run}/9/9", f"{other}/0/0"]) == [
+        True,
+        False,
+        True,
+    ]
     assert len(store.keys(run)) == 6
     assert store.delete(f"{run}/0/0")  # what the DiT does after committing an image
     assert store.delete_prefix(run) == 5  # run-level cleanup

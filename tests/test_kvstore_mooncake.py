@@ -36,7 +36,9 @@ def test_full_store_fails_the_put_and_evicts_nothing(small_servers):
     """Hard-pinned payloads are never evicted: when full, the put fails loudly, earlier
     payloads stay readable, and deleting consumed ones makes room again."""
     s = open_store(small_servers.url + "&part=4MB")
-    kv = make_kv(torch.bfloat16, layers=8, tokens=1024, heads=4, head_dim=64)  # 8 MiB of tensors
+    kv = make_kv(
+        torch.bfloat16, layers=8, tokens=1024, heads=4, head_dim=64
+    )  # 8 MiB of tensors
     put = []
     with pytest.raises(StoreError, match="store full") as e:
         for i in range(20):  # 20 x 8 MiB into 48 MB
@@ -84,34 +86,85 @@ def test_cli_up_status_down_from_another_process(tmp_path):
     state = tmp_path / "state"
     ports = [free_port() for _ in range(4)]
     cli = [sys.executable, "-c", "from components.kvstore.cli import app; app()"]
-    up = subprocess.run([*cli, "up", "--state-dir", str(state), "--segment", "64MB",
-                         "--master-port", str(ports[0]), "--metadata-port", str(ports[1]),
-                         "--admin-port", str(ports[2]), "--holder-port", str(ports[3])],
-                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    up = subprocess.run(
+        [
+            *cli,
+            "up",
+            "--state-dir",
+            str(state),
+            "--segment",
+            "64MB",
+            "--master-port",
+            str(ports[0]),
+            "--metadata-port",
+            str(ports[1]),
+            "--admin-port",
+            str(ports[2]),
+            "--holder-port",
+            str(ports[3]),
+        ],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     pids = {}
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         url = up.stdout.strip().splitlines()[-1]
         assert url.startswith(f"mooncake://127.0.0.1:{ports[0]}?")
         pids = json.loads((state / "servers.json").read_text())["pids"]
-        assert set(pids) == {"master", "metadata", "holder"} and all(_alive(p) for p in pids.values())
-        st = subprocess.run([*cli, "status", "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert set(pids) == {"master", "metadata", "holder"} and all(
+            _alive(p) for p in pids.values()
+        )
+        st = subprocess.run(
+            [*cli, "status", "--state-dir", str(state)],
+            cwd=ROOT,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert st.returncode == 0 and json.loads(st.stdout)["running"], st.stdout
         with open_store(url) as s:  # the servers work
             s.put("cli/0/0", make_kv())
             assert s.get("cli/0/0").ok
             assert s.delete_prefix("cli") == 1
-        again = subprocess.run([*cli, "up", "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert again.returncode != 0 and "already running" in (again.stderr + again.stdout)
+        again = subprocess.run(
+            [*cli, "up", "--state-dir", str(state)],
+            cwd=ROOT,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode != 0 and "already running" in (
+            again.stderr + again.stdout
+        )
     finally:
-        down = subprocess.run([*cli, "down", "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        down = subprocess.run(
+            [*cli, "down", "--state-dir", str(state)],
+            cwd=ROOT,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         for p in pids.values():  # never leave a server behind, even if `down` is broken
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
     assert down.returncode == 0 and "stopped" in down.stdout, down.stdout + down.stderr
     assert pids and not any(_alive(p) for p in pids.values())
     assert not (state / "servers.json").exists()
-    st = subprocess.run([*cli, "status", "--state-dir", str(state)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    st = subprocess.run(
+        [*cli, "status", "--state-dir", str(state)],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert st.returncode == 1
 
 
@@ -123,7 +176,9 @@ def test_dead_servers_give_unreachable_at_once(small_servers):
     s.put("dead/0/0", kv)
     os.kill(small_servers.state.pids["holder"], signal.SIGKILL)
     r = s.get("dead/0/0")
-    assert r.kv is None and r.code in ("unreachable", "missing") and "dead/0/0" in r.reason, r.reason
+    assert (
+        r.kv is None and r.code in ("unreachable", "missing") and "dead/0/0" in r.reason
+    ), r.reason
     os.kill(small_servers.state.pids["master"], signal.SIGKILL)
     r = s.get("dead/0/0")
     assert r.kv is None and r.code == "unreachable", r.reason

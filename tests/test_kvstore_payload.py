@@ -25,23 +25,52 @@ from components.kvstore.local import LocalStore
 from components.kvstore.payload import PREFIX_SIZE, decode_data, encode_header
 
 
-def make_kv(dtype=torch.float32, layers=3, tokens=11, heads=2, head_dim=8, seed=0, model_id="tiny", config_hash="cfg1"):
+def make_kv(
+    dtype=torch.float32,
+    layers=3,
+    tokens=11,
+    heads=2,
+    head_dim=8,
+    seed=0,
+    model_id="tiny",
+    config_hash="cfg1",
+):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda: torch.randn(tokens, heads, head_dim, generator=g).to(dtype)  # noqa: E731
+    mk = lambda: torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
     return PromptKV(
-        keys=[mk() for _ in range(layers)], values=[mk() for _ in range(layers)],
-        token_ids=list(range(100, 100 + tokens)), pos_reuse_len=tokens, neg_reuse_len=max(1, tokens - 3),
-        model_id=model_id, config_hash=config_hash, meta={"row": 3, "prompt": "a cat"},
+        keys=[mk() for _ in range(layers)],
+        values=[mk() for _ in range(layers)],
+        token_ids=list(range(100, 100 + tokens)),
+        pos_reuse_len=tokens,
+        neg_reuse_len=max(1, tokens - 3),
+        model_id=model_id,
+        config_hash=config_hash,
+        meta={"row": 3, "prompt": "a cat"},
     )
 
 
 def assert_same(a: PromptKV, b: PromptKV) -> None:
     assert a.num_layers == b.num_layers and a.dtype == b.dtype
     for x, y in zip(a.keys + a.values, b.keys + b.values):
-        assert x.shape == y.shape and torch.equal(x.view(torch.uint8) if x.dtype == torch.bfloat16 else x,
-                                                   y.view(torch.uint8) if y.dtype == torch.bfloat16 else y)
-    assert (a.token_ids, a.pos_reuse_len, a.neg_reuse_len, a.model_id, a.config_hash, a.meta) == (
-        b.token_ids, b.pos_reuse_len, b.neg_reuse_len, b.model_id, b.config_hash, b.meta)
+        assert x.shape == y.shape and torch.equal(
+            x.view(torch.uint8) if x.dtype == torch.bfloat16 else x,
+            y.view(torch.uint8) if y.dtype == torch.bfloat16 else y,
+        )
+    assert (
+        a.token_ids,
+        a.pos_reuse_len,
+        a.neg_reuse_len,
+        a.model_id,
+        a.config_hash,
+        a.meta,
+    ) == (
+        b.token_ids,
+        b.pos_reuse_len,
+        b.neg_reuse_len,
+        b.model_id,
+        b.config_hash,
+        b.meta,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -60,14 +89,20 @@ def test_roundtrip(dtype):
 def test_encode_into_preallocated_and_zero_copy_decode(kind):
     kv = make_kv(torch.bfloat16)
     n = payload_size(kv)
-    buf = {"numpy": lambda: np.zeros(n + 100, np.uint8), "torch": lambda: torch.zeros(n + 100, dtype=torch.uint8),
-           "bytearray": lambda: bytearray(n + 100)}[kind]()
+    buf = {
+        "numpy": lambda: np.zeros(n + 100, np.uint8),
+        "torch": lambda: torch.zeros(n + 100, dtype=torch.uint8),
+        "bytearray": lambda: bytearray(n + 100),
+    }[kind]()
     assert encode_into(kv, buf) == n
     out = decode_payload(buf)
     assert_same(kv, out)
     # zero-copy: the decoded tensors live inside the buffer
-    base = np.frombuffer(buf, np.uint8).ctypes.data if kind == "bytearray" else (
-        buf.ctypes.data if kind == "numpy" else buf.data_ptr())
+    base = (
+        np.frombuffer(buf, np.uint8).ctypes.data
+        if kind == "bytearray"
+        else (buf.ctypes.data if kind == "numpy" else buf.data_ptr())
+    )
     assert base <= out.keys[1].data_ptr() < base + n
     copied = decode_payload(buf, copy=True)
     assert not base <= copied.keys[1].data_ptr() < base + n
@@ -77,13 +112,16 @@ def test_encode_into_preallocated_and_zero_copy_decode(kind):
 def test_streaming_header_matches_encode():
     kv = make_kv(torch.bfloat16)
     head, views = encode_header(kv, put_time=123.0)
-    assert head + b"".join(v.tobytes() for v in views) == encode_payload(kv, put_time=123.0).tobytes()
+    assert (
+        head + b"".join(v.tobytes() for v in views)
+        == encode_payload(kv, put_time=123.0).tobytes()
+    )
 
 
 def test_decode_from_separate_header_and_data():
     kv = make_kv()
     p = encode_payload(kv)
-    h = read_header(p[: 4096])
+    h = read_header(p[:4096])
     assert_same(kv, decode_data(h, p[h.data_offset :].copy()))
 
 
@@ -104,12 +142,20 @@ def _corrupt(p: np.ndarray, at: int) -> np.ndarray:
 @pytest.mark.parametrize(
     "mutate,reason",
     [
-        (lambda p: _corrupt(p, -1), "checksum_mismatch"),  # last byte of the last V tensor
+        (
+            lambda p: _corrupt(p, -1),
+            "checksum_mismatch",
+        ),  # last byte of the last V tensor
         (lambda p: _corrupt(p, PREFIX_SIZE + 5), "header_corrupt"),
         (lambda p: _corrupt(p, 0), "bad_magic"),
         (lambda p: p[:-10], "truncated"),
         (lambda p: p[:30], "truncated"),
-        (lambda p: np.concatenate([p[:8], np.frombuffer(struct.pack("<I", 99), np.uint8), p[12:]]), "bad_version"),
+        (
+            lambda p: np.concatenate(
+                [p[:8], np.frombuffer(struct.pack("<I", 99), np.uint8), p[12:]]
+            ),
+            "bad_version",
+        ),
     ],
 )
 def test_corruption_is_detected(mutate, reason):
@@ -173,7 +219,21 @@ def test_good_keys(key):
     assert check_key(key) == key
 
 
-@pytest.mark.parametrize("key", ["", "run//1", "run/0/1#p", "../x", "run/../1", "a b", "/run/0", "r/0/", 7, "x" * 600])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "",
+        "run//1",
+        "run/0/1#p",
+        "../x",
+        "run/../1",
+        "a b",
+        "/run/0",
+        "r/0/",
+        7,
+        "x" * 600,
+    ],
+)
 def test_bad_keys(key):
     with pytest.raises(ValueError, match="store key"):
         check_key(key)
@@ -183,7 +243,11 @@ def test_open_store_urls(tmp_path):
     assert isinstance(open_store(str(tmp_path)), LocalStore)
     s = open_store(f"local://{tmp_path}/kv")
     assert isinstance(s, LocalStore) and s.root == tmp_path / "kv"
-    for bad, msg in [("", "empty"), ("s3://b/k", "unknown scheme"), (f"local://{tmp_path}?x=1", "no parameters")]:
+    for bad, msg in [
+        ("", "empty"),
+        ("s3://b/k", "unknown scheme"),
+        (f"local://{tmp_path}?x=1", "no parameters"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             open_store(bad)
 
@@ -191,10 +255,21 @@ def test_open_store_urls(tmp_path):
 def test_mooncake_url_parsing_needs_no_server():
     from components.kvstore.mooncake import config_from_url
 
-    c = config_from_url("mooncake://10.0.0.5:50051?protocol=rdma&device=mlx5_0&part=32MB&buffer=1GB&timeout=5")
+    c = config_from_url(
+        "mooncake://10.0.0.5:50051?protocol=rdma&device=mlx5_0&part=32MB&buffer=1GB&timeout=5"
+    )
     assert (c.master, c.protocol, c.device, c.part, c.buffer, c.timeout) == (
-        "10.0.0.5:50051", "rdma", "mlx5_0", 32 << 20, 1 << 30, 5.0)
-    assert c.metadata == "http://10.0.0.5:8080/metadata" and c.admin == "http://10.0.0.5:9003"
+        "10.0.0.5:50051",
+        "rdma",
+        "mlx5_0",
+        32 << 20,
+        1 << 30,
+        5.0,
+    )
+    assert (
+        c.metadata == "http://10.0.0.5:8080/metadata"
+        and c.admin == "http://10.0.0.5:9003"
+    )
     assert c.segment == 0 and c.pin == "hard"
     for url, msg in [
         ("mooncake://h:1?colour=red", "unknown parameter"),
@@ -220,7 +295,9 @@ def test_mooncake_unreachable_is_fast_and_explicit():
     from components.kvstore.servers import free_port
 
     port = free_port()
-    s = open_store(f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{free_port()}/metadata&connect_timeout=1")
+    s = open_store(
+        f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{free_port()}/metadata&connect_timeout=1"
+    )
     r = s.get("run/0/0")
     assert r.kv is None and r.code == "unreachable" and f"127.0.0.1:{port}" in r.reason
     assert not s.health().ok

@@ -4,7 +4,15 @@
 `mooncake://MASTER:PORT?metadata=...` (needs the mooncake wheel, imported only then).
 """
 
-from components.kvstore.base import GetResult, Health, KVStore, StoreError, check_key, make_key, open_store
+from components.kvstore.base import (
+    GetResult,
+    Health,
+    KVStore,
+    StoreError,
+    check_key,
+    make_key,
+    open_store,
+)
 from components.kvstore.payload import (
     PayloadError,
     decode_payload,
@@ -15,6 +23,17 @@ from components.kvstore.payload import (
 )
 
 __all__ = [
-    "GetResult", "Health", "KVStore", "StoreError", "check_key", "make_key", "open_store",
-    "PayloadError", "decode_payload", "encode_into", "encode_payload", "payload_size", "read_header",
+    "GetResult",
+    "Health",
+    "KVStore",
+    "PayloadError",
+    "StoreError",
+    "check_key",
+    "decode_payload",
+    "encode_into",
+    "encode_payload",
+    "make_key",
+    "open_store",
+    "payload_size",
+    "read_header",
 ]

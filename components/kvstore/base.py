@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
+
+from typing_extensions import Self
 
 from components.engine.kvcache import PromptKV
 from components.kvstore.payload import PayloadError
@@ -57,7 +60,7 @@ class StoreError(RuntimeError):
     """A put/delete that the store refused or could not do (full, unreachable, bad key)."""
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -76,10 +79,14 @@ def check_key(key: str) -> str:
     if not isinstance(key, str) or not key:
         raise ValueError(f"store key must be a non-empty string, got {key!r}")
     if len(key) > MAX_KEY_LEN:
-        raise ValueError(f"store key {key[:40]!r}... is longer than {MAX_KEY_LEN} characters")
+        raise ValueError(
+            f"store key {key[:40]!r}... is longer than {MAX_KEY_LEN} characters"
+        )
     for part in key.split("/"):
         if not _PART.match(part) or part in (".", ".."):
-            raise ValueError(f"store key {key!r}: part {part!r} must be non-empty [A-Za-z0-9._-] and not '.'/'..'")
+            raise ValueError(
+                f"store key {key!r}: part {part!r} must be non-empty [A-Za-z0-9._-] and not '.'/'..'"
+            )
     return key
 
 
@@ -143,23 +150,31 @@ class KVStore(ABC):
     def put_many(self, items: Iterable[tuple[str, PromptKV | Any]]) -> list[int]:
         return [self.put(k, v) for k, v in items]
 
-    def get_many(self, keys: Iterable[str], expect_model_id: str | None = None,
-                 expect_config_hash: str | None = None) -> list[GetResult]:
+    def get_many(
+        self,
+        keys: Iterable[str],
+        expect_model_id: str | None = None,
+        expect_config_hash: str | None = None,
+    ) -> list[GetResult]:
         return [self.get(k, expect_model_id, expect_config_hash) for k in keys]
 
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return [self.exists(k) for k in keys]
 
-    def __enter__(self) -> "KVStore":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 def reason_for(e: PayloadError) -> str:
     """A GetResult reason for a payload error: checksum/model/config codes, anything else corrupt."""
-    code = {"checksum_mismatch": CHECKSUM, "model_mismatch": MODEL, "config_mismatch": CONFIG}.get(e.reason)
+    code = {
+        "checksum_mismatch": CHECKSUM,
+        "model_mismatch": MODEL,
+        "config_mismatch": CONFIG,
+    }.get(e.reason)
     return f"{code}: {e.detail}" if code else f"{CORRUPT}: {e.reason}: {e.detail}"
 
 
@@ -180,18 +195,26 @@ def parse_query(url: str) -> tuple[Any, dict[str, str]]:
 def open_store(url: str | None = None) -> KVStore:
     """`local:///dir` or a plain path -> LocalStore; `mooncake://HOST:PORT?...` -> MooncakeStore."""
     if not url:
-        raise ValueError("store url is empty (use local:///path or mooncake://host:port?metadata=...)")
+        raise ValueError(
+            "store url is empty (use local:///path or mooncake://host:port?metadata=...)"
+        )
     if url.startswith("mooncake://"):
-        from components.kvstore.mooncake import MooncakeStore  # lazy: needs the mooncake wheel
+        from components.kvstore.mooncake import (
+            MooncakeStore,  # lazy: needs the mooncake wheel
+        )
 
         return MooncakeStore.from_url(url)
     if url.startswith("local://"):
         u, q = parse_query(url)
         if q:
-            raise ValueError(f"store url {url!r}: local:// takes no parameters, got {sorted(q)}")
+            raise ValueError(
+                f"store url {url!r}: local:// takes no parameters, got {sorted(q)}"
+            )
         path = unquote(u.netloc + u.path)
     elif "://" in url:
-        raise ValueError(f"store url {url!r}: unknown scheme (use local:// or mooncake://)")
+        raise ValueError(
+            f"store url {url!r}: unknown scheme (use local:// or mooncake://)"
+        )
     else:
         path = url
     from components.kvstore.local import LocalStore

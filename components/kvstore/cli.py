@@ -7,15 +7,20 @@ store URL to pass as `--kv-store`; `down` stops them by the PIDs in the state fi
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import typer
 
-app = typer.Typer(help="Mooncake KV store servers (master, metadata, segment holder) on one host.",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="Mooncake KV store servers (master, metadata, segment holder) on one host.",
+    no_args_is_help=True,
+)
 
-_STATE = typer.Option(None, "--state-dir", help="where the pid/state file and logs live "
-                      "(default $ARDIT_STATE_DIR/mooncake or ~/.cache/ardit/mooncake)")
+_STATE = typer.Option(
+    None,
+    "--state-dir",
+    help="where the pid/state file and logs live "
+    "(default $ARDIT_STATE_DIR/mooncake or ~/.cache/ardit/mooncake)",
+)
 
 
 @app.command()
@@ -23,25 +28,39 @@ def up(
     host: str = typer.Option("127.0.0.1", help="address every server binds to"),
     master_port: int = typer.Option(50051, help="master RPC port"),
     metadata_port: int = typer.Option(8080, help="HTTP metadata server port"),
-    admin_port: int = typer.Option(9003, help="master admin/metrics HTTP port (key listing, health)"),
-    holder_port: int = typer.Option(50052, help="segment holder (mooncake_client) service port"),
+    admin_port: int = typer.Option(
+        9003, help="master admin/metrics HTTP port (key listing, health)"
+    ),
+    holder_port: int = typer.Option(
+        50052, help="segment holder (mooncake_client) service port"
+    ),
     segment: str = typer.Option("4GB", help="memory the segment holder contributes"),
     protocol: str = typer.Option("tcp", help="tcp or rdma"),
-    device: str = typer.Option("", help="RDMA device names for the holder, e.g. mlx5_0"),
-    state_dir: Optional[str] = _STATE,
+    device: str = typer.Option(
+        "", help="RDMA device names for the holder, e.g. mlx5_0"
+    ),
+    state_dir: str | None = _STATE,
 ) -> None:
     """Start the servers in the background and print the store URL."""
     from components.kvstore import servers
 
-    st = servers.up(state_dir, host=host, master_port=master_port, metadata_port=metadata_port,
-                    admin_port=admin_port, holder_port=holder_port, segment=segment, protocol=protocol,
-                    device=device)
+    st = servers.up(
+        state_dir,
+        host=host,
+        master_port=master_port,
+        metadata_port=metadata_port,
+        admin_port=admin_port,
+        holder_port=holder_port,
+        segment=segment,
+        protocol=protocol,
+        device=device,
+    )
     typer.echo(f"pids {st.pids}, logs in {st.workdir}")
     typer.echo(st.url)
 
 
 @app.command()
-def down(state_dir: Optional[str] = _STATE) -> None:
+def down(state_dir: str | None = _STATE) -> None:
     """Stop the servers recorded in the state file (SIGTERM, then SIGKILL after 10 s)."""
     from components.kvstore import servers
 
@@ -50,7 +69,7 @@ def down(state_dir: Optional[str] = _STATE) -> None:
 
 
 @app.command()
-def status(state_dir: Optional[str] = _STATE) -> None:
+def status(state_dir: str | None = _STATE) -> None:
     """Processes, master health, segments; exit code 1 if not all running."""
     from components.kvstore import servers
 
@@ -61,7 +80,10 @@ def status(state_dir: Optional[str] = _STATE) -> None:
 
 
 @app.command()
-def keys(url: str = typer.Argument(..., help="store URL"), prefix: str = typer.Option("", help="run or key prefix")) -> None:
+def keys(
+    url: str = typer.Argument(..., help="store URL"),
+    prefix: str = typer.Option("", help="run or key prefix"),
+) -> None:
     """List payload keys in a store."""
     from components.kvstore import open_store
 
@@ -74,7 +96,9 @@ def keys(url: str = typer.Argument(..., help="store URL"), prefix: str = typer.O
 def clean(
     url: str = typer.Argument(..., help="store URL"),
     run: str = typer.Option("", help="delete every key of this run"),
-    older_than: float = typer.Option(-1, help="delete payloads put more than this many seconds ago"),
+    older_than: float = typer.Option(
+        -1, help="delete payloads put more than this many seconds ago"
+    ),
 ) -> None:
     """Run-level cleanup (--run) and/or orphan expiry (--older-than)."""
     from components.kvstore import open_store
@@ -85,4 +109,6 @@ def clean(
         if run:
             typer.echo(f"deleted {s.delete_prefix(run)} payload(s) of run {run}")
         if older_than >= 0:
-            typer.echo(f"expired {s.expire(older_than)} payload(s) older than {older_than:g} s")
+            typer.echo(
+                f"expired {s.expire(older_than)} payload(s) older than {older_than:g} s"
+            )

@@ -18,8 +18,21 @@ import numpy as np
 
 from components.engine.kvcache import PromptKV
 from components.kvstore import base
-from components.kvstore.base import GetResult, Health, KVStore, StoreError, check_key, under_prefix
-from components.kvstore.payload import PayloadError, as_u8, decode_payload, encode_header, read_header
+from components.kvstore.base import (
+    GetResult,
+    Health,
+    KVStore,
+    StoreError,
+    check_key,
+    under_prefix,
+)
+from components.kvstore.payload import (
+    PayloadError,
+    as_u8,
+    decode_payload,
+    encode_header,
+    read_header,
+)
 
 SUFFIX = ".kv"
 _TMP = ".tmp-"
@@ -32,8 +45,12 @@ class LocalStore(KVStore):
         try:  # an embedded store exists once opened: an empty directory means "missing", not "down"
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise StoreError(f"local store {self.root}: cannot create the directory: {e}") from e
-        self.last: dict[str, float] = {}  # seconds spent in the phases of the last put/get
+            raise StoreError(
+                f"local store {self.root}: cannot create the directory: {e}"
+            ) from e
+        self.last: dict[
+            str, float
+        ] = {}  # seconds spent in the phases of the last put/get
 
     def _path(self, key: str) -> Path:
         return self.root / (check_key(key) + SUFFIX)
@@ -46,7 +63,9 @@ class LocalStore(KVStore):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise StoreError(f"local store {self.root}: cannot create {path.parent}: {e}") from e
+            raise StoreError(
+                f"local store {self.root}: cannot create {path.parent}: {e}"
+            ) from e
         tmp = path.parent / f"{_TMP}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "wb") as f:
@@ -54,8 +73,7 @@ class LocalStore(KVStore):
                     # header (with crcs of the source tensors), then each tensor's bytes: no staging copy
                     head, views = encode_header(kv)
                     f.write(head)
-                    for v in views:
-                        f.write(memoryview(v))
+                    f.writelines(memoryview(v) for v in views)
                 else:
                     buf = as_u8(kv)
                     if check:
@@ -92,13 +110,17 @@ class LocalStore(KVStore):
         except FileNotFoundError:
             return None
 
-    def get(self, key, expect_model_id=None, expect_config_hash=None, device=None) -> GetResult:
+    def get(
+        self, key, expect_model_id=None, expect_config_hash=None, device=None
+    ) -> GetResult:
         path = self._path(key)
         t0 = time.perf_counter()
         try:
             buf = self._read(path)
         except FileNotFoundError:
-            return GetResult(None, f"{base.MISSING}: no payload for {key!r} in {self.root}")
+            return GetResult(
+                None, f"{base.MISSING}: no payload for {key!r} in {self.root}"
+            )
         except OSError as e:
             return GetResult(None, f"{base.UNREACHABLE}: reading {path}: {e}")
         t1 = time.perf_counter()
@@ -151,7 +173,9 @@ class LocalStore(KVStore):
         if not self.root.is_dir():
             return 0
         for p in list(self.root.rglob("*")):
-            if not p.is_file() or not (p.name.endswith(SUFFIX) or p.name.startswith(_TMP)):
+            if not p.is_file() or not (
+                p.name.endswith(SUFFIX) or p.name.startswith(_TMP)
+            ):
                 continue
             try:
                 if p.stat().st_mtime < cutoff:
@@ -180,4 +204,3 @@ class LocalStore(KVStore):
         if not os.access(self.root, os.W_OK):
             return Health(False, f"{self.root} is not writable")
         return Health(True, f"directory {self.root}")
-

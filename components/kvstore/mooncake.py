@@ -30,11 +30,12 @@ import secrets
 import socket
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -121,9 +122,15 @@ class MooncakeConfig:
     protocol: str = "tcp"  # tcp (dev) | rdma (clusters)
     device: str = ""  # RDMA device names, e.g. "mlx5_0,mlx5_1"; empty = auto
     host: str = ""  # address this process is reachable at; default $ARDIT_KV_HOST, $POD_IP, 127.0.0.1
-    segment: int = 0  # memory this process contributes (0: a standalone segment holder holds data)
-    local_buffer: int = 16 << 20  # mooncake's own transfer buffer (unused by put_from/get_into)
-    buffer: int = 64 << 20  # initial size of our registered transfer buffer (grown on demand)
+    segment: int = (
+        0  # memory this process contributes (0: a standalone segment holder holds data)
+    )
+    local_buffer: int = (
+        16 << 20
+    )  # mooncake's own transfer buffer (unused by put_from/get_into)
+    buffer: int = (
+        64 << 20
+    )  # initial size of our registered transfer buffer (grown on demand)
     part: int = 64 << 20  # tensor region split into parts of this size (batch calls)
     streams: int = 4  # transfers in flight per put/get, overlapped with encode/decode (1: one batch call)
     timeout: float = 60.0  # bound on one put/get transfer
@@ -143,14 +150,29 @@ class MooncakeConfig:
             raise ValueError(f"mooncake streams {self.streams} must be in [1, 64]")
         if self.timeout <= 0:
             raise ValueError(f"mooncake timeout {self.timeout} must be > 0")
-        self.host = self.host or os.environ.get("ARDIT_KV_HOST") or os.environ.get("POD_IP") or "127.0.0.1"
+        self.host = (
+            self.host
+            or os.environ.get("ARDIT_KV_HOST")
+            or os.environ.get("POD_IP")
+            or "127.0.0.1"
+        )
         self.admin = self.admin or f"http://{_hostport(self.master, 'master')[0]}:9003"
 
 
 _PARAMS = {
-    "metadata": str, "protocol": str, "device": str, "host": str, "admin": str, "pin": str,
-    "segment": "size", "local_buffer": "size", "buffer": "size", "part": "size",
-    "timeout": float, "connect_timeout": float, "streams": int,
+    "metadata": str,
+    "protocol": str,
+    "device": str,
+    "host": str,
+    "admin": str,
+    "pin": str,
+    "segment": "size",
+    "local_buffer": "size",
+    "buffer": "size",
+    "part": "size",
+    "timeout": float,
+    "connect_timeout": float,
+    "streams": int,
 }
 
 
@@ -162,7 +184,9 @@ def config_from_url(url: str) -> MooncakeConfig:
         raise ValueError(f"store url {url!r}: no master HOST:PORT after mooncake://")
     unknown = sorted(set(q) - set(_PARAMS))
     if unknown:
-        raise ValueError(f"store url {url!r}: unknown parameter(s) {unknown} (known: {sorted(_PARAMS)})")
+        raise ValueError(
+            f"store url {url!r}: unknown parameter(s) {unknown} (known: {sorted(_PARAMS)})"
+        )
     kw: dict[str, Any] = {}
     for k, v in q.items():
         t = _PARAMS[k]
@@ -184,7 +208,9 @@ class _Registered:
         self.size = size
         rc = ms.register_buffer(self.ptr, size)
         if rc != 0:
-            raise StoreError(f"mooncake register_buffer({size} bytes) failed: {_explain(rc)}")
+            raise StoreError(
+                f"mooncake register_buffer({size} bytes) failed: {_explain(rc)}"
+            )
 
 
 class MooncakeStore(KVStore):
@@ -195,14 +221,18 @@ class MooncakeStore(KVStore):
         self._rcfg: Any = None
         self._buf: _Registered | None = None  # tensor region (put: the whole payload)
         self._hbuf: _Registered | None = None  # header object
-        self._abandoned: list[Any] = []  # buffers a timed-out transfer may still write into
+        self._abandoned: list[
+            Any
+        ] = []  # buffers a timed-out transfer may still write into
         self._exec = self._executor()
         self._failed_at = 0.0
         self._failure = ""
-        self.last: dict[str, float] = {}  # seconds spent in the phases of the last put/get
+        self.last: dict[
+            str, float
+        ] = {}  # seconds spent in the phases of the last put/get
 
     @classmethod
-    def from_url(cls, url: str) -> "MooncakeStore":
+    def from_url(cls, url: str) -> MooncakeStore:
         return cls(config_from_url(url), url)
 
     # ------------------------------------------------------------ connection
@@ -218,15 +248,32 @@ class MooncakeStore(KVStore):
             _probe(*_hostport(c.master, "master"), c.connect_timeout, "mooncake master")
             if c.metadata.startswith("http"):
                 netloc = c.metadata.split("//", 1)[1].split("/", 1)[0]
-                _probe(*_hostport(netloc, "metadata"), c.connect_timeout, "mooncake metadata server")
+                _probe(
+                    *_hostport(netloc, "metadata"),
+                    c.connect_timeout,
+                    "mooncake metadata server",
+                )
             # the transfer engine refuses to start without a LAN address unless told which one to use
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", c.host)
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # lazy: optional wheel
+            from mooncake.store import (  # lazy: optional wheel
+                MooncakeDistributedStore,
+                ReplicateConfig,
+            )
 
             ms = MooncakeDistributedStore()
-            rc = ms.setup(c.host, c.metadata, c.segment, c.local_buffer, c.protocol, c.device, c.master)
+            rc = ms.setup(
+                c.host,
+                c.metadata,
+                c.segment,
+                c.local_buffer,
+                c.protocol,
+                c.device,
+                c.master,
+            )
             if rc != 0:
-                raise StoreError(f"mooncake setup against master {c.master} failed: {_explain(rc)}")
+                raise StoreError(
+                    f"mooncake setup against master {c.master} failed: {_explain(rc)}"
+                )
             rcfg = ReplicateConfig()
             rcfg.replica_num = 1
             if c.pin == "hard":
@@ -243,7 +290,9 @@ class MooncakeStore(KVStore):
 
     def _call(self, fn: Callable, *args: Any) -> Any:
         """Run one blocking mooncake call with the configured timeout."""
-        return self._wait([self._exec.submit(fn, *args)], time.monotonic() + self.cfg.timeout)[0]
+        return self._wait(
+            [self._exec.submit(fn, *args)], time.monotonic() + self.cfg.timeout
+        )[0]
 
     def _abandon(self) -> None:
         """A call may still be writing into our buffers: never reuse or free them."""
@@ -253,7 +302,9 @@ class MooncakeStore(KVStore):
         self._exec = self._executor()
 
     def _executor(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=max(1, self.cfg.streams), thread_name_prefix="mooncake")
+        return ThreadPoolExecutor(
+            max_workers=max(1, self.cfg.streams), thread_name_prefix="mooncake"
+        )
 
     def _ensure(self, which: str, size: int) -> _Registered:
         cur: _Registered | None = getattr(self, which)
@@ -302,7 +353,9 @@ class MooncakeStore(KVStore):
             try:
                 h = read_header(buf.arr[:n])
                 if n < h.total_size:
-                    raise PayloadError("truncated", f"{n} bytes, payload needs {h.total_size}")
+                    raise PayloadError(
+                        "truncated", f"{n} bytes, payload needs {h.total_size}"
+                    )
                 data_offset, data_len = h.data_offset, h.data_len
             except PayloadError as e:
                 if check:
@@ -320,7 +373,14 @@ class MooncakeStore(KVStore):
                 if job:
                     job.finish()
                 t1 = time.perf_counter()
-                rcs = self._wait([self._exec.submit(ms.batch_put_from, keys, ptrs, sizes, self._rcfg)], deadline)[0]
+                rcs = self._wait(
+                    [
+                        self._exec.submit(
+                            ms.batch_put_from, keys, ptrs, sizes, self._rcfg
+                        )
+                    ],
+                    deadline,
+                )[0]
             else:  # send each part as soon as its bytes are encoded, `streams` in flight
                 futs = []
                 for (o, sz), k, ptr in zip(parts, keys, ptrs):
@@ -339,9 +399,13 @@ class MooncakeStore(KVStore):
         bad = [(i, rc) for i, rc in enumerate(rcs) if rc != 0]
         if bad:
             ms.batch_remove(keys, True)
-            raise StoreError(f"put {key!r}: part {bad[0][0]} of {len(parts)} failed: {_explain(bad[0][1])}")
+            raise StoreError(
+                f"put {key!r}: part {bad[0][0]} of {len(parts)} failed: {_explain(bad[0][1])}"
+            )
         hlen = read_header(buf.arr[:n]).header_len
-        index = json.dumps({"tag": tag, "part": self.cfg.part, "parts": len(parts)}).encode()
+        index = json.dumps(
+            {"tag": tag, "part": self.cfg.part, "parts": len(parts)}
+        ).encode()
         self._put_header(ms, key, buf.arr[: PREFIX_SIZE + hlen].tobytes() + index, keys)
         t2 = time.perf_counter()
         self.last = {"encode_s": t1 - t0, "transfer_s": t2 - t1}
@@ -358,7 +422,9 @@ class MooncakeStore(KVStore):
         if rc != 0:
             if part_keys:
                 ms.batch_remove(part_keys, True)
-            raise StoreError(f"put {key!r}: header failed: {_explain(rc) if rc is not None else err}")
+            raise StoreError(
+                f"put {key!r}: header failed: {_explain(rc) if rc is not None else err}"
+            )
         return len(head)
 
     # ------------------------------------------------------------ get
@@ -375,14 +441,31 @@ class MooncakeStore(KVStore):
 
     def _absent(self, ms: Any, key: str, rc: int, what: str) -> GetResult:
         if rc == -704:
-            return GetResult(None, f"{base.MISSING}: no {what} for {key!r} in the store")
-        if rc in _DOWN:  # (health_check() still said ok right after the master was killed)
-            return GetResult(None, f"{base.UNREACHABLE}: {_DOWN[rc]} (master {self.cfg.master}), get {what} {key!r}: {_explain(rc)}")
+            return GetResult(
+                None, f"{base.MISSING}: no {what} for {key!r} in the store"
+            )
+        if (
+            rc in _DOWN
+        ):  # (health_check() still said ok right after the master was killed)
+            return GetResult(
+                None,
+                f"{base.UNREACHABLE}: {_DOWN[rc]} (master {self.cfg.master}), get {what} {key!r}: {_explain(rc)}",
+            )
         if rc == -707:
-            return GetResult(None, f"{base.TIMEOUT}: get {what} {key!r}: {_explain(rc)}")
-        return GetResult(None, f"{base.MISSING}: get {what} {key!r} failed: {_explain(rc)}")
+            return GetResult(
+                None, f"{base.TIMEOUT}: get {what} {key!r}: {_explain(rc)}"
+            )
+        return GetResult(
+            None, f"{base.MISSING}: get {what} {key!r} failed: {_explain(rc)}"
+        )
 
-    def _header(self, ms: Any, key: str, expect_model_id: str | None, expect_config_hash: str | None):
+    def _header(
+        self,
+        ms: Any,
+        key: str,
+        expect_model_id: str | None,
+        expect_config_hash: str | None,
+    ):
         """Read and check the header object -> (header, header bytes view, part keys, part ranges)."""
         rc, hb = self._read_header_object(ms, key)
         if rc < 0:
@@ -394,11 +477,20 @@ class MooncakeStore(KVStore):
             index = json.loads(head[PREFIX_SIZE + h.header_len :].tobytes())
             ps, nparts, tag = int(index["part"]), int(index["parts"]), str(index["tag"])
         except (ValueError, KeyError, TypeError) as e:
-            raise _Absent(GetResult(None, f"{base.CORRUPT}: part index of {key!r} unreadable: {e}")) from None
+            raise _Absent(
+                GetResult(
+                    None, f"{base.CORRUPT}: part index of {key!r} unreadable: {e}"
+                )
+            ) from None
         parts = [(o, min(ps, h.data_len - o)) for o in range(0, max(h.data_len, 1), ps)]
         if nparts != len(parts):
-            raise _Absent(GetResult(None, f"{base.CORRUPT}: part index of {key!r} says {nparts} parts of {ps} "
-                                          f"for {h.data_len} bytes"))
+            raise _Absent(
+                GetResult(
+                    None,
+                    f"{base.CORRUPT}: part index of {key!r} says {nparts} parts of {ps} "
+                    f"for {h.data_len} bytes",
+                )
+            )
         return h, head, [f"{key}#{tag}.{i}" for i in range(nparts)], parts
 
     def _get(self, key: str, expect_model_id, expect_config_hash, device, raw: bool):
@@ -409,7 +501,9 @@ class MooncakeStore(KVStore):
         except StoreError as e:
             return GetResult(None, f"{base.UNREACHABLE}: {e}")
         try:
-            h, head, keys, parts = self._header(ms, key, expect_model_id, expect_config_hash)
+            h, head, keys, parts = self._header(
+                ms, key, expect_model_id, expect_config_hash
+            )
             buf = self._ensure("_buf", h.data_len)
             ptrs = [buf.ptr + o for o, _ in parts]
             sizes = [sz for _, sz in parts]
@@ -417,7 +511,10 @@ class MooncakeStore(KVStore):
             if self.cfg.streams <= 1 or raw:
                 futs = [self._exec.submit(ms.batch_get_into, keys, ptrs, sizes)]
             else:
-                futs = [self._exec.submit(ms.get_into, k, p, sz) for k, p, sz in zip(keys, ptrs, sizes)]
+                futs = [
+                    self._exec.submit(ms.get_into, k, p, sz)
+                    for k, p, sz in zip(keys, ptrs, sizes)
+                ]
             done: dict[int, int] = {}
 
             def ready(lo: int, hi: int) -> None:
@@ -426,25 +523,45 @@ class MooncakeStore(KVStore):
                     if o < hi and o + sz > lo and i not in done:
                         if len(futs) == 1:
                             rcs = self._wait(futs, deadline)[0]
-                            done.update(enumerate(rcs if isinstance(rcs, list) else [rcs]))
+                            done.update(
+                                enumerate(rcs if isinstance(rcs, list) else [rcs])
+                            )
                         else:
                             done[i] = self._wait([futs[i]], deadline)[0]
-                        for j in ([i] if len(futs) > 1 else range(len(parts))):
+                        for j in [i] if len(futs) > 1 else range(len(parts)):
                             if done[j] < 0:
-                                raise _Absent(self._absent(ms, key, done[j], f"part {j}/{len(parts)} of"))
+                                raise _Absent(
+                                    self._absent(
+                                        ms, key, done[j], f"part {j}/{len(parts)} of"
+                                    )
+                                )
                             if done[j] != sizes[j]:
-                                raise _Absent(GetResult(None, f"{base.CORRUPT}: part {j} of {key!r} has "
-                                                              f"{done[j]} bytes, expected {sizes[j]}"))
+                                raise _Absent(
+                                    GetResult(
+                                        None,
+                                        f"{base.CORRUPT}: part {j} of {key!r} has "
+                                        f"{done[j]} bytes, expected {sizes[j]}",
+                                    )
+                                )
 
             t1 = time.perf_counter()
             if raw:
                 ready(0, h.data_len)
                 pre = head[: PREFIX_SIZE + h.header_len].tobytes()
-                return pre + b"\x00" * (h.data_offset - len(pre)) + buf.arr[: h.data_len].tobytes()
+                return (
+                    pre
+                    + b"\x00" * (h.data_offset - len(pre))
+                    + buf.arr[: h.data_len].tobytes()
+                )
             # copy out of the reused transfer buffer (straight to the device if one is given),
             # tensor by tensor as their parts arrive
-            kv = decode_data(h, buf.arr[: h.data_len], copy=True, device=device, ready=ready)
-            self.last = {"header_s": t1 - t0, "transfer_and_decode_s": time.perf_counter() - t1}
+            kv = decode_data(
+                h, buf.arr[: h.data_len], copy=True, device=device, ready=ready
+            )
+            self.last = {
+                "header_s": t1 - t0,
+                "transfer_and_decode_s": time.perf_counter() - t1,
+            }
             return kv
         except _Absent as a:
             return a.result
@@ -457,7 +574,9 @@ class MooncakeStore(KVStore):
             if "futs" in locals() and not all(f.done() for f in futs):
                 self._abandon()
 
-    def get(self, key, expect_model_id=None, expect_config_hash=None, device=None) -> GetResult:
+    def get(
+        self, key, expect_model_id=None, expect_config_hash=None, device=None
+    ) -> GetResult:
         check_key(key)
         r = self._get(key, expect_model_id, expect_config_hash, device, raw=False)
         return r if isinstance(r, GetResult) else GetResult(r, base.OK)
@@ -510,11 +629,15 @@ class MooncakeStore(KVStore):
             with urllib.request.urlopen(url, timeout=self.cfg.connect_timeout + 5) as r:
                 text = r.read().decode()
         except OSError as e:
-            raise StoreError(f"listing keys needs the master admin endpoint {url}: {e}") from None
+            raise StoreError(
+                f"listing keys needs the master admin endpoint {url}: {e}"
+            ) from None
         return [k for k in text.splitlines() if k.strip()]
 
     def keys(self, prefix: str = "") -> list[str]:
-        return sorted(k for k in self._all_keys() if "#" not in k and under_prefix(k, prefix))
+        return sorted(
+            k for k in self._all_keys() if "#" not in k and under_prefix(k, prefix)
+        )
 
     def raw_keys(self) -> list[str]:
         """All objects including parts (tests: nothing of ours may remain)."""
@@ -547,11 +670,17 @@ class MooncakeStore(KVStore):
         except StoreError as e:
             return Health(False, str(e))
         try:  # health_check() alone kept saying ok after the master was killed
-            _probe(*_hostport(self.cfg.master, "master"), self.cfg.connect_timeout, "mooncake master")
+            _probe(
+                *_hostport(self.cfg.master, "master"),
+                self.cfg.connect_timeout,
+                "mooncake master",
+            )
         except StoreError as e:
             return Health(False, str(e))
         rc = ms.health_check()
-        detail = {0: "ok", 1: "client not initialised", 2: "master unreachable"}.get(rc, f"code {rc}")
+        detail = {0: "ok", 1: "client not initialised", 2: "master unreachable"}.get(
+            rc, f"code {rc}"
+        )
         return Health(rc == 0, f"mooncake master {self.cfg.master}: {detail}")
 
     def close(self) -> None:

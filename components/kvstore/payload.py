@@ -21,9 +21,10 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,7 +105,9 @@ def _pool() -> ThreadPoolExecutor:
     # One shared pool: numpy copies and zlib.crc32 release the GIL on large buffers.
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="kvpayload")
+        _POOL = ThreadPoolExecutor(
+            max_workers=_workers(), thread_name_prefix="kvpayload"
+        )
     return _POOL
 
 
@@ -149,7 +152,9 @@ def _dtype_name(kv: PromptKV) -> str:
     try:
         return _DTYPE_NAMES[kv.dtype]
     except KeyError:
-        raise ValueError(f"PromptKV dtype {kv.dtype} is not supported (supported: {sorted(_DTYPES)})") from None
+        raise ValueError(
+            f"PromptKV dtype {kv.dtype} is not supported (supported: {sorted(_DTYPES)})"
+        ) from None
 
 
 def _align(n: int, a: int) -> int:
@@ -161,7 +166,9 @@ def _check_kv(kv: PromptKV) -> None:
     dt = kv.dtype
     for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
         if k.dtype != dt or v.dtype != dt:
-            raise ValueError(f"layer {i}: dtype {k.dtype}/{v.dtype} differs from layer 0 dtype {dt}")
+            raise ValueError(
+                f"layer {i}: dtype {k.dtype}/{v.dtype} differs from layer 0 dtype {dt}"
+            )
 
 
 def _entries(kv: PromptKV) -> list[tuple[str, torch.Tensor]]:
@@ -193,19 +200,30 @@ def _header_json(kv: PromptKV, tensors: list[dict], put_time: float) -> bytes:
         raise ValueError(f"PromptKV.meta must be JSON-serialisable: {e}") from None
 
 
-def _plan(kv: PromptKV, put_time: float, crcs: list[str] | None) -> tuple[bytes, int, int, list[dict]]:
+def _plan(
+    kv: PromptKV, put_time: float, crcs: list[str] | None
+) -> tuple[bytes, int, int, list[dict]]:
     """Header JSON bytes, data offset, data length and tensor table (crcs placeholder if None)."""
     tensors, off = [], 0
     for j, (name, t) in enumerate(_entries(kv)):
         nb = t.numel() * t.element_size()
-        tensors.append({"name": name, "offset": off, "nbytes": nb, "crc": crcs[j] if crcs else "00000000"})
+        tensors.append(
+            {
+                "name": name,
+                "offset": off,
+                "nbytes": nb,
+                "crc": crcs[j] if crcs else "00000000",
+            }
+        )
         off += nb
     hj = _header_json(kv, tensors, put_time)
     return hj, _align(PREFIX_SIZE + len(hj), DATA_ALIGN), off, tensors
 
 
 def _prefix(hj: bytes, data_offset: int, data_len: int) -> bytes:
-    p = _PREFIX.pack(MAGIC, VERSION, len(hj), data_offset, data_len, zlib.crc32(hj) & 0xFFFFFFFF)
+    p = _PREFIX.pack(
+        MAGIC, VERSION, len(hj), data_offset, data_len, zlib.crc32(hj) & 0xFFFFFFFF
+    )
     return p + b"\x00" * (PREFIX_SIZE - len(p))
 
 
@@ -231,11 +249,15 @@ class EncodeJob:
         _check_kv(kv)
         self.kv = kv
         self.put_time = time.time() if put_time is None else put_time
-        self._hj0, self.data_offset, self.data_len, self.entries = _plan(kv, self.put_time, None)
+        self._hj0, self.data_offset, self.data_len, self.entries = _plan(
+            kv, self.put_time, None
+        )
         self.size = self.data_offset + self.data_len
         buf = as_u8(buffer)
         if buf.nbytes < self.size:
-            raise ValueError(f"buffer of {buf.nbytes} bytes is smaller than the payload ({self.size} bytes)")
+            raise ValueError(
+                f"buffer of {buf.nbytes} bytes is smaller than the payload ({self.size} bytes)"
+            )
         if not buf.flags.writeable:
             raise ValueError("buffer is read-only")
         self.buf = buf
@@ -246,10 +268,15 @@ class EncodeJob:
             if t.device.type == "cpu":
                 np.copyto(dst, tensor_u8(t))
             else:  # device -> host straight into the buffer
-                torch.from_numpy(dst).copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                torch.from_numpy(dst).copy_(
+                    t.detach().contiguous().reshape(-1).view(torch.uint8)
+                )
             return _crc_chunked(dst)
 
-        self.futures = [_pool().submit(copy_and_crc, e, t) for e, (_, t) in zip(self.entries, _entries(kv))]
+        self.futures = [
+            _pool().submit(copy_and_crc, e, t)
+            for e, (_, t) in zip(self.entries, _entries(kv))
+        ]
 
     def wait_range(self, lo: int, hi: int) -> None:
         """Block until data-region bytes [lo, hi) are encoded."""
@@ -260,7 +287,9 @@ class EncodeJob:
     def finish(self) -> int:
         crcs = [f.result() for f in self.futures]
         hj, data_offset, _, _ = _plan(self.kv, self.put_time, crcs)
-        assert data_offset == self.data_offset and len(hj) == len(self._hj0)  # crcs are fixed width
+        assert data_offset == self.data_offset and len(hj) == len(
+            self._hj0
+        )  # crcs are fixed width
         head = _prefix(hj, data_offset, self.data_len) + hj
         self.buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
         self.buf[len(head) : data_offset] = 0
@@ -280,7 +309,9 @@ def encode_payload(kv: PromptKV, *, put_time: float | None = None) -> np.ndarray
     return out
 
 
-def encode_header(kv: PromptKV, *, put_time: float | None = None) -> tuple[bytes, list[np.ndarray]]:
+def encode_header(
+    kv: PromptKV, *, put_time: float | None = None
+) -> tuple[bytes, list[np.ndarray]]:
     """For streaming writers (files): the bytes before the data region (prefix, header, padding)
     and the tensors' raw byte views in data order. crc32 is computed from the source tensors in
     the thread pool, so no intermediate payload buffer is needed."""
@@ -300,14 +331,23 @@ def read_header(buffer: Any) -> Header:
     """Parse and check the prefix and JSON header. Needs only the first `data_offset` bytes."""
     buf = as_u8(buffer)
     if buf.nbytes < PREFIX_SIZE:
-        raise PayloadError("truncated", f"{buf.nbytes} bytes, the fixed prefix alone is {PREFIX_SIZE}")
-    magic, version, hlen, data_offset, data_len, hcrc = _PREFIX.unpack(buf[: _PREFIX.size].tobytes())
+        raise PayloadError(
+            "truncated", f"{buf.nbytes} bytes, the fixed prefix alone is {PREFIX_SIZE}"
+        )
+    magic, version, hlen, data_offset, data_len, hcrc = _PREFIX.unpack(
+        buf[: _PREFIX.size].tobytes()
+    )
     if magic != MAGIC:
         raise PayloadError("bad_magic", f"expected {MAGIC!r}, found {magic!r}")
     if version != VERSION:
-        raise PayloadError("bad_version", f"format version {version}, this reader understands {VERSION}")
+        raise PayloadError(
+            "bad_version",
+            f"format version {version}, this reader understands {VERSION}",
+        )
     if buf.nbytes < PREFIX_SIZE + hlen:
-        raise PayloadError("truncated", f"{buf.nbytes} bytes, header needs {PREFIX_SIZE + hlen}")
+        raise PayloadError(
+            "truncated", f"{buf.nbytes} bytes, header needs {PREFIX_SIZE + hlen}"
+        )
     hj = buf[PREFIX_SIZE : PREFIX_SIZE + hlen]
     if zlib.crc32(hj) & 0xFFFFFFFF != hcrc:
         raise PayloadError("header_corrupt", "header crc32 does not match")
@@ -315,39 +355,68 @@ def read_header(buffer: Any) -> Header:
         fields = json.loads(hj.tobytes())
     except ValueError as e:
         raise PayloadError("header_corrupt", f"header is not JSON: {e}") from None
-    for key in ("model_id", "config_hash", "dtype", "shapes", "token_ids", "pos_reuse_len",
-                "neg_reuse_len", "tensors", "put_time"):
+    for key in (
+        "model_id",
+        "config_hash",
+        "dtype",
+        "shapes",
+        "token_ids",
+        "pos_reuse_len",
+        "neg_reuse_len",
+        "tensors",
+        "put_time",
+    ):
         if key not in fields:
             raise PayloadError("bad_header", f"header has no {key!r}")
     if fields["dtype"] not in _DTYPES:
         raise PayloadError("bad_header", f"unknown dtype {fields['dtype']!r}")
-    return Header(fields=fields, header_len=hlen, data_offset=data_offset, data_len=data_len)
+    return Header(
+        fields=fields, header_len=hlen, data_offset=data_offset, data_len=data_len
+    )
 
 
-def check_identity(h: Header, expect_model_id: str | None, expect_config_hash: str | None) -> None:
+def check_identity(
+    h: Header, expect_model_id: str | None, expect_config_hash: str | None
+) -> None:
     if expect_model_id is not None and h.fields["model_id"] != expect_model_id:
-        raise PayloadError("model_mismatch", f"payload is for model {h.fields['model_id']!r}, expected {expect_model_id!r}")
+        raise PayloadError(
+            "model_mismatch",
+            f"payload is for model {h.fields['model_id']!r}, expected {expect_model_id!r}",
+        )
     if expect_config_hash is not None and h.fields["config_hash"] != expect_config_hash:
         raise PayloadError(
-            "config_mismatch", f"payload config hash {h.fields['config_hash']!r}, expected {expect_config_hash!r}"
+            "config_mismatch",
+            f"payload config hash {h.fields['config_hash']!r}, expected {expect_config_hash!r}",
         )
 
 
 def verify_data(h: Header, data: np.ndarray) -> None:
     """Check every tensor's crc32 (in the thread pool); raise checksum_mismatch naming the first bad one."""
     if data.nbytes < h.data_len:
-        raise PayloadError("truncated", f"data region has {data.nbytes} bytes, header says {h.data_len}")
+        raise PayloadError(
+            "truncated",
+            f"data region has {data.nbytes} bytes, header says {h.data_len}",
+        )
     ents = h.tensors
-    got = list(_pool().map(lambda e: _crc_chunked(data[e.offset : e.offset + e.nbytes]), ents))
+    got = list(
+        _pool().map(lambda e: _crc_chunked(data[e.offset : e.offset + e.nbytes]), ents)
+    )
     for e, c in zip(ents, got):
         if c != e.crc:
-            raise PayloadError("checksum_mismatch", f"tensor {e.name}: crc32 {c}, header says {e.crc}")
+            raise PayloadError(
+                "checksum_mismatch", f"tensor {e.name}: crc32 {c}, header says {e.crc}"
+            )
 
 
 def parallel_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """memcpy in chunks across the thread pool (one thread cannot saturate memory bandwidth)."""
     n = src.nbytes
-    list(_pool().map(lambda s: np.copyto(dst[s : s + _CHUNK * 4], src[s : s + _CHUNK * 4]), range(0, n, _CHUNK * 4)))
+    list(
+        _pool().map(
+            lambda s: np.copyto(dst[s : s + _CHUNK * 4], src[s : s + _CHUNK * 4]),
+            range(0, n, _CHUNK * 4),
+        )
+    )
 
 
 def decode_payload(
@@ -368,8 +437,12 @@ def decode_payload(
     h = read_header(buf)
     check_identity(h, expect_model_id, expect_config_hash)
     if buf.nbytes < h.total_size:
-        raise PayloadError("truncated", f"{buf.nbytes} bytes, payload needs {h.total_size}")
-    return decode_data(h, buf[h.data_offset : h.total_size], verify=verify, copy=copy, device=device)
+        raise PayloadError(
+            "truncated", f"{buf.nbytes} bytes, payload needs {h.total_size}"
+        )
+    return decode_data(
+        h, buf[h.data_offset : h.total_size], verify=verify, copy=copy, device=device
+    )
 
 
 def decode_data(
@@ -387,14 +460,21 @@ def decode_data(
     store can decode the first tensors while later parts are still in flight."""
     data = as_u8(data)
     if data.nbytes < h.data_len:
-        raise PayloadError("truncated", f"data region has {data.nbytes} bytes, header says {h.data_len}")
+        raise PayloadError(
+            "truncated",
+            f"data region has {data.nbytes} bytes, header says {h.data_len}",
+        )
     data = data[: h.data_len]
     f = h.fields
     dtype = _DTYPES[f["dtype"]]
     for e in h.tensors:
         if e.offset < 0 or e.offset + e.nbytes > h.data_len:
-            raise PayloadError("bad_header", f"tensor {e.name} lies outside the data region")
-    if (copy or not data.flags.writeable) and (device is None or torch.device(device).type == "cpu"):
+            raise PayloadError(
+                "bad_header", f"tensor {e.name} lies outside the data region"
+            )
+    if (copy or not data.flags.writeable) and (
+        device is None or torch.device(device).type == "cpu"
+    ):
         # copy each tensor, then crc the copy while it is in cache: one read pass, not two
         region_np = np.empty(h.data_len, dtype=np.uint8)
         ents = h.tensors
@@ -413,7 +493,10 @@ def decode_data(
         if verify:
             for e, c in zip(ents, crcs):
                 if c != e.crc:
-                    raise PayloadError("checksum_mismatch", f"tensor {e.name}: crc32 {c}, header says {e.crc}")
+                    raise PayloadError(
+                        "checksum_mismatch",
+                        f"tensor {e.name}: crc32 {c}, header says {e.crc}",
+                    )
         region = torch.from_numpy(region_np)
     else:
         if ready:
@@ -421,16 +504,22 @@ def decode_data(
         if verify:
             verify_data(h, data)
         if device is not None and torch.device(device).type != "cpu":
-            region = torch.from_numpy(data if data.flags.writeable else data.copy()).to(device)
+            region = torch.from_numpy(data if data.flags.writeable else data.copy()).to(
+                device
+            )
         else:
             region = torch.from_numpy(data)
     shapes = f["shapes"]
     ents = h.tensors
     if len(ents) != 2 * len(shapes):
-        raise PayloadError("bad_header", f"{len(ents)} tensors for {len(shapes)} layers")
+        raise PayloadError(
+            "bad_header", f"{len(ents)} tensors for {len(shapes)} layers"
+        )
     tensors = {}
     for e, shape in zip(ents, [s for s in shapes for _ in (0, 1)]):
-        tensors[e.name] = region[e.offset : e.offset + e.nbytes].view(dtype).reshape(shape)
+        tensors[e.name] = (
+            region[e.offset : e.offset + e.nbytes].view(dtype).reshape(shape)
+        )
     n = len(shapes)
     try:
         kv = PromptKV(

@@ -23,11 +23,17 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 from components.kvstore.base import parse_size
 
-DEFAULT_STATE_DIR = Path(os.environ.get("ARDIT_STATE_DIR", Path.home() / ".cache" / "ardit")) / "mooncake"
+DEFAULT_STATE_DIR = (
+    Path(os.environ.get("ARDIT_STATE_DIR", Path.home() / ".cache" / "ardit"))
+    / "mooncake"
+)
 
 
 def find_binary(name: str) -> str:
@@ -76,7 +82,12 @@ def _alive(pid: int) -> bool:
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return (
+            Path(f"/proc/{pid}/cmdline")
+            .read_bytes()
+            .replace(b"\0", b" ")
+            .decode(errors="replace")
+        )
     except OSError:
         return ""
 
@@ -99,7 +110,9 @@ class ServerState:
     protocol: str
     workdir: str
     pids: dict[str, int] = field(default_factory=dict)  # name -> pid
-    markers: dict[str, str] = field(default_factory=dict)  # name -> program name in its cmdline
+    markers: dict[str, str] = field(
+        default_factory=dict
+    )  # name -> program name in its cmdline
 
     @property
     def metadata_url(self) -> str:
@@ -111,8 +124,10 @@ class ServerState:
 
     @property
     def url(self) -> str:
-        return (f"mooncake://{self.host}:{self.master_port}?metadata={self.metadata_url}"
-                f"&protocol={self.protocol}&admin={self.admin_url}")
+        return (
+            f"mooncake://{self.host}:{self.master_port}?metadata={self.metadata_url}"
+            f"&protocol={self.protocol}&admin={self.admin_url}"
+        )
 
 
 class MooncakeServers:
@@ -133,12 +148,22 @@ class MooncakeServers:
         start_timeout: float = 60.0,
         master_flags: tuple[str, ...] = (),
     ):
-        pick = lambda p: p or free_port(host)  # noqa: E731
-        wd = Path(workdir) if workdir else Path(os.environ.get("TMPDIR", "/tmp")) / f"ardit-mooncake-{os.getpid()}-{id(self):x}"
+        pick = lambda p: p or free_port(host)
+        wd = (
+            Path(workdir)
+            if workdir
+            else Path(os.environ.get("TMPDIR", "/tmp"))
+            / f"ardit-mooncake-{os.getpid()}-{id(self):x}"
+        )
         self.state = ServerState(
-            host=host, master_port=pick(master_port), metadata_port=pick(metadata_port),
-            admin_port=pick(admin_port), holder_port=pick(holder_port),
-            segment=parse_size(segment, "segment"), protocol=protocol, workdir=str(wd),
+            host=host,
+            master_port=pick(master_port),
+            metadata_port=pick(metadata_port),
+            admin_port=pick(admin_port),
+            holder_port=pick(holder_port),
+            segment=parse_size(segment, "segment"),
+            protocol=protocol,
+            workdir=str(wd),
         )
         self.device = device
         self.start_timeout = start_timeout
@@ -152,11 +177,19 @@ class MooncakeServers:
     def _spawn(self, name: str, argv: list[str]) -> None:
         s = self.state
         env = dict(os.environ, MC_TCP_BIND_ADDRESS=s.host)
-        log = open(Path(s.workdir) / f"{name}.log", "ab")
-        # own session: Ctrl-C in a terminal does not kill the servers behind `ardit store up`
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=env, cwd=s.workdir, start_new_session=True)
-        log.close()
+        with open(
+            Path(s.workdir) / f"{name}.log", "ab"
+        ) as log:  # the child keeps its own copy of the fd
+            # own session: Ctrl-C in a terminal does not kill the servers behind `ardit store up`
+            p = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=s.workdir,
+                start_new_session=True,
+            )
         self._procs[name] = p
         s.pids[name] = p.pid
         s.markers[name] = Path(argv[0]).name
@@ -166,32 +199,68 @@ class MooncakeServers:
         while time.monotonic() < deadline:
             p = self._procs[name]
             if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode}:\n{_tail(Path(self.state.workdir) / f'{name}.log')}")
+                raise RuntimeError(
+                    f"{name} exited with {p.returncode}:\n{_tail(Path(self.state.workdir) / f'{name}.log')}"
+                )
             if ready():
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"{name} not ready in {self.start_timeout:g} s:\n{_tail(Path(self.state.workdir) / f'{name}.log')}")
+        raise TimeoutError(
+            f"{name} not ready in {self.start_timeout:g} s:\n{_tail(Path(self.state.workdir) / f'{name}.log')}"
+        )
 
-    def start(self) -> "MooncakeServers":
+    def start(self) -> MooncakeServers:
         s = self.state
         Path(s.workdir).mkdir(parents=True, exist_ok=True)
         try:
-            self._spawn("master", [
-                find_binary("mooncake_master"), f"-rpc_address={s.host}", f"-rpc_port={s.master_port}",
-                f"-metrics_host={s.host}", f"-metrics_port={s.admin_port}", *self.master_flags,
-            ])
-            self._spawn("metadata", [
-                find_binary("mooncake_http_metadata_server"), "--host", s.host, "--port", str(s.metadata_port),
-            ])
-            self._wait("master", lambda: (_http_ok(f"{s.admin_url}/health") or "").find('"ok"') >= 0)
-            self._wait("metadata", lambda: _http_ok(f"{s.metadata_url}?key=ardit_probe") is not None)
-            self._spawn("holder", [
-                find_binary("mooncake_client"), f"-host={s.host}", f"-port={s.holder_port}",
-                f"-global_segment_size={s.segment}", f"-master_server_address={s.host}:{s.master_port}",
-                f"-metadata_server={s.metadata_url}", f"-protocol={s.protocol}",
-                *( [f"-device_names={self.device}"] if self.device else [] ),
-            ])
-            self._wait("holder", lambda: bool((_http_ok(f"{s.admin_url}/get_all_segments") or "").strip()))
+            self._spawn(
+                "master",
+                [
+                    find_binary("mooncake_master"),
+                    f"-rpc_address={s.host}",
+                    f"-rpc_port={s.master_port}",
+                    f"-metrics_host={s.host}",
+                    f"-metrics_port={s.admin_port}",
+                    *self.master_flags,
+                ],
+            )
+            self._spawn(
+                "metadata",
+                [
+                    find_binary("mooncake_http_metadata_server"),
+                    "--host",
+                    s.host,
+                    "--port",
+                    str(s.metadata_port),
+                ],
+            )
+            self._wait(
+                "master",
+                lambda: (_http_ok(f"{s.admin_url}/health") or "").find('"ok"') >= 0,
+            )
+            self._wait(
+                "metadata",
+                lambda: _http_ok(f"{s.metadata_url}?key=ardit_probe") is not None,
+            )
+            self._spawn(
+                "holder",
+                [
+                    find_binary("mooncake_client"),
+                    f"-host={s.host}",
+                    f"-port={s.holder_port}",
+                    f"-global_segment_size={s.segment}",
+                    f"-master_server_address={s.host}:{s.master_port}",
+                    f"-metadata_server={s.metadata_url}",
+                    f"-protocol={s.protocol}",
+                    *([f"-device_names={self.device}"] if self.device else []),
+                ],
+            )
+            self._wait(
+                "holder",
+                lambda: bool(
+                    (_http_ok(f"{s.admin_url}/get_all_segments") or "").strip()
+                ),
+            )
         except BaseException:
             self.stop()
             raise
@@ -206,10 +275,10 @@ class MooncakeServers:
                 pass
         self._procs.clear()
 
-    def __enter__(self) -> "MooncakeServers":
+    def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -219,7 +288,11 @@ def stop_pids(state: ServerState, timeout: float = 10.0) -> list[str]:
     stopped = []
     for name in ("holder", "metadata", "master"):
         pid = state.pids.get(name)
-        if not pid or not _alive(pid) or state.markers.get(name, "") not in _cmdline(pid):
+        if (
+            not pid
+            or not _alive(pid)
+            or state.markers.get(name, "") not in _cmdline(pid)
+        ):
             continue
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -254,7 +327,9 @@ def up(state_dir: str | os.PathLike | None = None, **kw: Any) -> ServerState:
     if sf.exists():
         old = load_state(state_dir)
         if old and any(_alive(p) for p in old.pids.values()):
-            raise RuntimeError(f"servers already running (state {sf}); run `down` first")
+            raise RuntimeError(
+                f"servers already running (state {sf}); run `down` first"
+            )
     sf.parent.mkdir(parents=True, exist_ok=True)
     srv = MooncakeServers(workdir=sf.parent, **kw).start()
     sf.write_text(json.dumps(asdict(srv.state), indent=2))
@@ -281,8 +356,18 @@ def status(state_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     st = load_state(state_dir)
     if st is None:
         return {"running": False, "detail": f"no state file at {state_file(state_dir)}"}
-    procs = {n: (_alive(p) and st.markers.get(n, "") in _cmdline(p)) for n, p in st.pids.items()}
+    procs = {
+        n: (_alive(p) and st.markers.get(n, "") in _cmdline(p))
+        for n, p in st.pids.items()
+    }
     health = _http_ok(f"{st.admin_url}/health")
     segments = (_http_ok(f"{st.admin_url}/get_all_segments") or "").split()
-    return {"running": all(procs.values()), "url": st.url, "processes": procs, "pids": st.pids,
-            "master_health": health, "segments": segments, "workdir": st.workdir}
+    return {
+        "running": all(procs.values()),
+        "url": st.url,
+        "processes": procs,
+        "pids": st.pids,
+        "master_health": health,
+        "segments": segments,
+        "workdir": st.workdir,
+    }
