@@ -53,7 +53,9 @@ def to_uint8(img: np.ndarray) -> np.ndarray:
     return (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
 
 
-def write_run(output: Path, run_id: str, rows: list[dict[str, Any]], num_shards: int = 2) -> Path:
+def write_run(
+    output: Path, run_id: str, rows: list[dict[str, Any]], num_shards: int = 2, ids_as_json: bool = False
+) -> Path:
     """Write a run in the run layout. Each row: id, image (uint8 HxWx3 or None), and any of
     status, error, cot_text, generated_ids, kv_path, timings (dict), latents (tensor)."""
     run = Path(output) / run_id
@@ -84,7 +86,9 @@ def write_run(output: Path, run_id: str, rows: list[dict[str, Any]], num_shards:
                 "height": int(img.shape[0]) if img is not None else None,
                 "kv_path": row.get("kv_path", "reuse"),
                 "kv_reason": row.get("kv_reason", ""),
-                "generated_ids": row.get("generated_ids", []),
+                "generated_ids": json.dumps(row.get("generated_ids", []))
+                if ids_as_json
+                else row.get("generated_ids", []),
             }
             rec.update(row.get("timings", {}))
             records.append(rec)
@@ -152,8 +156,16 @@ def spec_dict(**over: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "name": "synthetic",
         "description": "synthetic runs for tests",
-        "base": {"dataset": "synthetic", "kind": "edit", "model": "tiny", "num_shards": 2, "steps": REF_STEPS,
-                 "guidance": 5.0, "seed": 42, "kv_reuse": True},  # fmt: skip
+        "base": {
+            "dataset": "synthetic",
+            "kind": "edit",
+            "model": "tiny",
+            "num_shards": 2,
+            "steps": REF_STEPS,
+            "guidance": 5.0,
+            "seed": 42,
+            "kv_reuse": True,
+        },
         "grid": {"kv_reuse": [True, False], "steps": [REF_STEPS, 4]},
         "reference": {"kv_reuse": True, "steps": REF_STEPS},
         "thresholds": {"psnr_min": 30, "ssim_min": 0.97, "mean_abs_max": 0.03, "p99_abs_max": 0.30},

@@ -175,6 +175,13 @@ def test_compare_runs_ok_rows_carry_all_metrics(tmp_path) -> None:
         assert np.isfinite(r["psnr"]) and r["psnr"] < 30
 
 
+def test_generated_ids_stored_as_json_text_are_read(tmp_path) -> None:
+    write_run(tmp_path, "ref", fake_rows({"seed": 42}), ids_as_json=True)
+    write_run(tmp_path, "seed", fake_rows({"seed": 43}), ids_as_json=True)
+    rows = compare_runs(tmp_path / "ref", tmp_path / "seed")
+    assert [r["first_divergence"] for r in rows] == [5, 5, 5, 5]
+
+
 def test_evaluate_step_writes_tables_and_gates(tmp_path, capsys) -> None:
     write_run(tmp_path, "ref", fake_rows({"seed": 42}))
     write_run(tmp_path, "recompute", fake_rows({"seed": 42, "kv_reuse": False}))

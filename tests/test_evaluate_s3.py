@@ -22,7 +22,7 @@ def _upload(local_root: Path, run_id: str, uri: str) -> None:
 
 
 @pytest.mark.servers
-def test_evaluate_step_reads_and_writes_s3(tmp_path: Path, s3_prefix: str) -> None:
+def test_evaluate_step_reads_and_writes_s3(tmp_path: Path, s3_prefix: str) -> None:  # noqa: F811
     write_run(tmp_path, "ref", fake_rows({"seed": 42}))
     write_run(tmp_path, "recompute", fake_rows({"seed": 42, "kv_reuse": False}))
     _upload(tmp_path, "ref", s3_prefix)

@@ -62,4 +62,3 @@ def test_a_broken_image_is_detected(tmp_path: Path) -> None:
     page = check_page(page_path, chromium=CHROMIUM)
     assert [i["alt"] for i in page.broken_images] == ["broken"]
     assert any("boom" in e for e in page.console_errors)
-

@@ -41,7 +41,15 @@ def test_sweep_writes_the_tables(sweep_dir: Path) -> None:
     for name in ("spec.yaml", "sweep.json", "sweep.parquet", "rows.parquet", "budget.parquet", "report.html"):
         assert (sweep_dir / name).is_file(), name
     configs = {r["config"]: r for r in _table(sweep_dir / "sweep.parquet")}
-    assert list(configs) == ["reuse-s8", "reuse-s4", "recompute-s8", "recompute-s4", "determinism", "reuse-drift", "ar-diversity"]
+    assert list(configs) == [
+        "reuse-s8",
+        "reuse-s4",
+        "recompute-s8",
+        "recompute-s4",
+        "determinism",
+        "reuse-drift",
+        "ar-diversity",
+    ]
     rows = _table(sweep_dir / "rows.parquet")
     assert len(rows) == 4 * 7
     assert {r["config"] for r in rows} == set(configs)
@@ -89,7 +97,11 @@ def test_reuse_drift_without_pinned_ar_uses_rows_with_identical_tokens(tmp_path)
         write_run(output, run_id, rows)
         return JobOutcome(ar_pinned=False, notes=["run_job does not accept ar_from_run; not passed"])
 
-    spec = parse_spec(spec_dict(grid={"kv_reuse": [True]}, reference="reuse", precision_budget={"determinism": False, "ar_diversity": False}))
+    spec = parse_spec(
+        spec_dict(
+            grid={"kv_reuse": [True]}, reference="reuse", precision_budget={"determinism": False, "ar_diversity": False}
+        )
+    )
     run_sweep(spec, tmp_path, "s", runner=runner, log=_quiet, report=False)
     (drift,) = _table(tmp_path / "s" / "budget.parquet")
     assert drift["rows"] == 4 and drift["rows_used"] == 3
@@ -153,7 +165,9 @@ def _write_spec(tmp_path: Path, **over: Any) -> Path:
 def test_cli_exits_1_when_a_gate_fails_and_0_when_all_pass(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(runner_mod, "run_job_adapter", fake_runner)
     cli = CliRunner()
-    failing = cli.invoke(app, ["sweep", str(_write_spec(tmp_path)), "--output", str(tmp_path / "out"), "--sweep-id", "fail"])
+    failing = cli.invoke(
+        app, ["sweep", str(_write_spec(tmp_path)), "--output", str(tmp_path / "out"), "--sweep-id", "fail"]
+    )
     assert failing.exit_code == 1, failing.output
     assert "FAIL reuse-s4" in failing.output
     assert (tmp_path / "out" / "fail" / "report.html").is_file()  # written before exiting

@@ -23,7 +23,9 @@ def _run_job_available() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _run_job_available(), reason="pipeline.local.run_job does not exist yet (the lead's local runner)")
+@pytest.mark.skipif(
+    not _run_job_available(), reason="pipeline.local.run_job does not exist yet (the lead's local runner)"
+)
 def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
     from components.sweep.cli import app
 
@@ -35,7 +37,15 @@ def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
     assert not [s for s in meta["states"].values() if s["run_error"]], meta["states"]
 
     configs = {r["config"]: r for r in pq.read_table(sweep_dir / "sweep.parquet").to_pylist()}
-    assert set(configs) == {"reuse-s8", "reuse-s4", "recompute-s8", "recompute-s4", "determinism", "reuse-drift", "ar-diversity"}
+    assert set(configs) == {
+        "reuse-s8",
+        "reuse-s4",
+        "recompute-s8",
+        "recompute-s4",
+        "determinism",
+        "reuse-drift",
+        "ar-diversity",
+    }
     for name, c in configs.items():
         assert c["rows"] == 4 and c["rows_compared"] == 4, (name, c.get("violations"))
         assert c["time_per_image_s_mean"] and c["time_per_image_s_mean"] > 0, name

@@ -27,7 +27,15 @@ TINY = Path(__file__).resolve().parents[1] / "examples" / "sweeps" / "tiny.yaml"
 def test_tiny_example_expands_to_grid_plus_budget() -> None:
     spec = load_spec(TINY)
     names = [c.name for c in spec.configs]
-    assert names == ["reuse-s8", "reuse-s4", "recompute-s8", "recompute-s4", "determinism", "reuse-drift", "ar-diversity"]
+    assert names == [
+        "reuse-s8",
+        "reuse-s4",
+        "recompute-s8",
+        "recompute-s4",
+        "determinism",
+        "reuse-drift",
+        "ar-diversity",
+    ]
     assert spec.reference == "reuse-s8"
     roles = {c.name: c.role for c in spec.configs}
     assert roles["reuse-s8"] == REFERENCE and roles["recompute-s8"] == GRID
@@ -92,7 +100,9 @@ def test_explicit_extra_config_and_reference_by_name() -> None:
 
 
 def test_budget_can_be_gated_and_disabled() -> None:
-    gated = parse_spec(spec_dict(precision_budget={"determinism": True, "reuse_drift": False, "ar_diversity": False, "gate": True}))
+    gated = parse_spec(
+        spec_dict(precision_budget={"determinism": True, "reuse_drift": False, "ar_diversity": False, "gate": True})
+    )
     assert [c.name for c in gated.configs if c.role == DETERMINISM] == ["determinism"]
     assert gated.config("determinism").gated
     assert not any(c.role in (REUSE_DRIFT, AR_DIVERSITY) for c in gated.configs)

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--p99-abs-max", type=float)
     a = p.parse_args(argv)
     th = Thresholds(a.psnr_min, a.ssim_min, a.mean_abs_max, a.p99_abs_max)
-    rows, summary = evaluate_run(a.output, a.ref_run, a.run, th if th.active else None)
+    _, summary = evaluate_run(a.output, a.ref_run, a.run, th if th.active else None)
     print(
         f"{a.run} vs {a.ref_run}: {summary['rows_compared']}/{summary['rows']} rows compared, "
         f"PSNR mean {fmt_db(summary['psnr_mean'])} dB min {fmt_db(summary['psnr_min'])} dB, "

@@ -22,7 +22,7 @@ class Thresholds:
     p99_abs_max: float | None = None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "Thresholds":
+    def from_dict(cls, data: dict[str, Any] | None) -> Thresholds:
         data = dict(data or {})
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
@@ -30,7 +30,7 @@ class Thresholds:
             raise ValueError(f"unknown threshold(s) {sorted(unknown)}; known: {sorted(known)}")
         return cls(**{k: (None if v is None else float(v)) for k, v in data.items()})
 
-    def merged(self, override: dict[str, Any] | None) -> "Thresholds":
+    def merged(self, override: dict[str, Any] | None) -> Thresholds:
         """These thresholds with the keys of `override` replaced (a None value disables a gate)."""
         if not override:
             return self

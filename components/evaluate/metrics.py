@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -26,7 +26,7 @@ from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 from components.evaluate.runio import RunRow, load_latents, load_run_rows, read_image
 
-ImageLike = Union[Image.Image, np.ndarray]
+ImageLike = Image.Image | np.ndarray
 
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
 # Mismatch tolerances in 8-bit levels: fraction of values with |delta| > k/255.
@@ -264,7 +264,4 @@ def compare_runs(ref_run_dir: Path | str, other_run_dir: Path | str) -> list[dic
     ref_rows = load_run_rows(ref_run_dir)
     other_rows = load_run_rows(other_run_dir)
     ids = list(ref_rows) + [i for i in other_rows if i not in ref_rows]
-    return [
-        compare_rows(RowPair(i, ref_rows.get(i), other_rows.get(i)), ref_run_dir, other_run_dir)
-        for i in ids
-    ]
+    return [compare_rows(RowPair(i, ref_rows.get(i), other_rows.get(i)), ref_run_dir, other_run_dir) for i in ids]

@@ -5,6 +5,7 @@ Only what evaluation needs; the run layout itself is described in docs/architect
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,17 @@ def _num(v: Any) -> float | None:
     return None if math.isnan(f) else f
 
 
+def _token_ids(value: Any) -> list[int] | None:
+    """generated_ids as a list: stored as list<int> or as a JSON array string."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        value = value.decode()
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else []
+    return [int(t) for t in value]
+
+
 def _resolve_image(run: Path, shard_dir: Path, row: dict[str, Any]) -> Path | None:
     """The image of a row: its image_key (relative to the run, the output root, or absolute),
     falling back to the layout's `shards/{k}/images/{id}.png`."""
@@ -148,7 +160,7 @@ def load_run_rows(run_uri: str | Path) -> dict[str, RunRow]:
         for rec in pq.read_table(table_path).to_pylist():
             row_id = str(rec["id"])
             timings = {k: f for k in rec if k.endswith("_s") and (f := _num(rec[k])) is not None}
-            ids = rec.get("generated_ids")
+            ids = _token_ids(rec.get("generated_ids"))
             latents = shard_dir / "latents" / f"{row_id}.pt"
             rows[row_id] = RunRow(
                 id=row_id,
@@ -157,7 +169,7 @@ def load_run_rows(run_uri: str | Path) -> dict[str, RunRow]:
                 error=str(rec.get("error") or ""),
                 image_path=_resolve_image(run, shard_dir, rec),
                 cot_text=rec.get("cot_text"),
-                generated_ids=[int(t) for t in ids] if ids is not None else None,
+                generated_ids=ids,
                 width=rec.get("width"),
                 height=rec.get("height"),
                 kv_path=rec.get("kv_path"),

@@ -107,15 +107,23 @@ def _console_errors(events: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def check_page(html_path: str | Path, *, width: int = 1360, timeout: float = 60.0, chromium: str | None = None) -> PageCheck:
+def check_page(
+    html_path: str | Path, *, width: int = 1360, timeout: float = 60.0, chromium: str | None = None
+) -> PageCheck:
     """Load `html_path` in headless Chromium; return image states, console errors and a full-page PNG."""
     binary = chromium or find_chromium()
     if not binary:
         raise FileNotFoundError("chromium not found (apt-get install chromium)")
     profile = tempfile.mkdtemp(prefix="ardit-chromium-")
     proc = subprocess.Popen(
-        [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-address=127.0.0.1",
-         "--remote-debugging-port=0", "about:blank"],  # fmt: skip
+        [
+            binary,
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={profile}",
+            "--remote-debugging-address=127.0.0.1",
+            "--remote-debugging-port=0",
+            "about:blank",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -139,10 +147,20 @@ def check_page(html_path: str | Path, *, width: int = 1360, timeout: float = 60.
         cdp.call("Page.navigate", url=Path(html_path).resolve().as_uri())
         cdp.wait_event("Page.loadEventFired", timeout)
         # Let decoding finish, then read the image states.
-        cdp.call("Runtime.evaluate", expression="Promise.all(Array.from(document.images).map(i => i.decode().catch(() => null)))", awaitPromise=True)
+        cdp.call(
+            "Runtime.evaluate",
+            expression="Promise.all(Array.from(document.images).map(i => i.decode().catch(() => null)))",
+            awaitPromise=True,
+        )
         info = json.loads(cdp.call("Runtime.evaluate", expression=_IMAGES_JS, returnByValue=True)["result"]["value"])
         height = int(info["height"])
-        cdp.call("Emulation.setDeviceMetricsOverride", width=width, height=min(height, 16000), deviceScaleFactor=1, mobile=False)
+        cdp.call(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=min(height, 16000),
+            deviceScaleFactor=1,
+            mobile=False,
+        )
         shot = cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
         return PageCheck(
             title=info["title"],

@@ -50,8 +50,13 @@ def _num(v: Any) -> float | None:
 
 
 def _f(v: Any, digits: int = 4) -> str:
+    """Fixed decimals; tiny non-zero values (that would print as 0.0000) in scientific notation."""
     f = _num(v)
-    return "–" if f is None else f"{f:.{digits}f}"
+    if f is None:
+        return "–"
+    if f != 0 and abs(f) < 0.5 * 10**-digits:
+        return f"{f:.1e}"
+    return f"{f:.{digits}f}"
 
 
 def _db(v: Any) -> str:
@@ -157,7 +162,8 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
                 "label": rec.get("label") or "",
                 "role_label": ROLE_LABELS.get(rec.get("role", ""), ""),
                 "status": status,
-                "status_title": "; ".join(rec.get("violations") or []) or ("not gated" if not rec.get("gated") else "all rows pass"),
+                "status_title": "; ".join(rec.get("violations") or [])
+                or ("not gated" if not rec.get("gated") else "all rows pass"),
                 "rows_ok": _rows_ok(rec),
                 "psnr_mean": _db(rec.get("psnr_mean")),
                 "psnr_min": _db(rec.get("psnr_min")),
@@ -294,7 +300,14 @@ def _row_context(
     worst_name, worst_psnr = "", math.inf
     for name in others:
         rec = cells.get(name)
-        cell: dict[str, Any] = {"config": name, "bitwise": False, "badge": "", "error": "", "size_note": "", "extra": ""}
+        cell: dict[str, Any] = {
+            "config": name,
+            "bitwise": False,
+            "badge": "",
+            "error": "",
+            "size_note": "",
+            "extra": "",
+        }
         ctx["cells"].append(cell)
         if rec is None:
             cell["error"] = "no metrics for this row (run or evaluation failed)"
@@ -336,9 +349,8 @@ def _row_context(
             ssim_cls="bad" if th and th.ssim_min is not None and ssim is not None and ssim < th.ssim_min else "",
         )
         cell["extra"] = _extra(rec)
-        if th is not None and th.active:
-            if not cell["bitwise"]:
-                cell["badge"] = "FAIL" if row_violations(rec, th) else "PASS"
+        if th is not None and th.active and not cell["bitwise"]:
+            cell["badge"] = "FAIL" if row_violations(rec, th) else "PASS"
         if name in ranking and psnr is not None and psnr < worst_psnr:
             worst_name, worst_psnr = name, psnr
     failed = [c["config"] for c in ctx["cells"] if c.get("error")]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,7 +15,7 @@ app = typer.Typer(help="Accuracy sweeps and reports.", no_args_is_help=True, add
 def sweep(
     spec: Annotated[Path, typer.Argument(help="sweep spec (YAML)", exists=True, dir_okay=False)],
     output: Annotated[Path, typer.Option("--output", "-o", help="where sweeps are written")] = Path("sweeps"),
-    sweep_id: Annotated[Optional[str], typer.Option(help="sweep directory name (default: NAME-UTCTIME)")] = None,
+    sweep_id: Annotated[str | None, typer.Option(help="sweep directory name (default: NAME-UTCTIME)")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the expanded grid and exit")] = False,
     resume: Annotated[bool, typer.Option(help="keep configs whose run already finished (needs --sweep-id)")] = False,
 ) -> None:
@@ -52,8 +52,10 @@ def sweep(
 
 @app.command("report")
 def report(
-    sweep_dir: Annotated[Path, typer.Argument(help="a sweep directory ({output}/{sweep_id})", exists=True, file_okay=False)],
-    out: Annotated[Optional[Path], typer.Option("--out", help="HTML file (default SWEEP_DIR/report.html)")] = None,
+    sweep_dir: Annotated[
+        Path, typer.Argument(help="a sweep directory ({output}/{sweep_id})", exists=True, file_okay=False)
+    ],
+    out: Annotated[Path | None, typer.Option("--out", help="HTML file (default SWEEP_DIR/report.html)")] = None,
     max_rows: Annotated[int, typer.Option(help="rows shown as image grids (worst first)")] = 24,
 ) -> None:
     """Write the self-contained HTML report of a finished sweep."""

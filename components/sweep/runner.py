@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from components.evaluate.gates import records_to_table
+from components.evaluate.gates import fmt_db, records_to_table
 from components.evaluate.metrics import OK, SIZE_MISMATCH
 from components.evaluate.run import evaluate_run
 from components.sweep.budget import compute_budget
@@ -136,7 +136,7 @@ def run_sweep(
             outcome = runner({**cfg.params, "dataset": dataset}, runs, cfg.name, cfg.ar_from)
             state["notes"] += outcome.notes
             state["ar_pinned"] = outcome.ar_pinned
-        except Exception as exc:  # a failed config fails the sweep but the others still run
+        except Exception as exc:  # noqa: BLE001  (a failed config fails the sweep; the others still run)
             state["run_error"] = f"{type(exc).__name__}: {exc}"
             log(f"[{cfg.name}] FAILED: {state['run_error']}")
             (runs / f"{cfg.name}.error.txt").write_text(traceback.format_exc())
@@ -263,7 +263,10 @@ def evaluate_sweep(
         row_records += rows
         config_records.append(rec)
         verdict = "PASS" if rec["passed"] else "FAIL"
-        log(f"[{cfg.name}] {verdict} vs {baseline}: {rec['rows_compared']}/{rec['rows']} rows, PSNR min {rec['psnr_min']}")
+        log(
+            f"[{cfg.name}] {verdict} vs {baseline}: {rec['rows_compared']}/{rec['rows']} rows compared, "
+            f"PSNR min {fmt_db(rec['psnr_min'])} dB, bitwise {rec['bitwise_rows']}/{rec['rows']}"
+        )
     return config_records, row_records
 
 
@@ -298,6 +301,14 @@ def expanded_grid_text(spec: SweepSpec) -> str:
 
 
 __all__ = [
-    "AR_FROM_PARAM", "JobOutcome", "JobRunner", "SweepConfig", "SweepResult", "REFERENCE",
-    "expanded_grid_text", "run_job_adapter", "run_sweep", "sweep_failures",
-]  # fmt: skip
+    "AR_FROM_PARAM",
+    "REFERENCE",
+    "JobOutcome",
+    "JobRunner",
+    "SweepConfig",
+    "SweepResult",
+    "expanded_grid_text",
+    "run_job_adapter",
+    "run_sweep",
+    "sweep_failures",
+]

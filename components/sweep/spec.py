@@ -90,7 +90,7 @@ class SweepConfig:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SweepConfig":
+    def from_dict(cls, d: dict[str, Any]) -> SweepConfig:
         th = d.get("thresholds")
         return cls(
             name=d["name"],
@@ -337,7 +337,11 @@ def _budget_configs(
         new_seed = div.get("seed") if isinstance(div, dict) and "seed" in div else int(seed or 0) + 1
         if new_seed == seed:
             raise SpecError("precision_budget.ar_diversity.seed must differ from the reference seed")
-        out.append(SweepConfig("ar-diversity", {**ref.params, "seed": new_seed}, AR_DIVERSITY, ref.name, th, {"seed": new_seed}))
+        out.append(
+            SweepConfig(
+                "ar-diversity", {**ref.params, "seed": new_seed}, AR_DIVERSITY, ref.name, th, {"seed": new_seed}
+            )
+        )
     if gate:
         for c in out:
             _apply_overrides(c, overrides)
