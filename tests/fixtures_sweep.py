@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image, ImageFilter
 
+from components.data.runs import row_key
 from components.sweep.runner import JobOutcome
 
 ROW_IDS = ["r0", "r1", "r2", "r3"]
@@ -67,12 +68,13 @@ def write_run(
             row = rows[index]
             rid = row["id"]
             image_key = ""
+            name = row_key(rid)  # as the DiT step names a row's objects
             if row.get("image") is not None:
-                Image.fromarray(row["image"]).save(shard / "images" / f"{rid}.png")
-                image_key = f"{run_id}/shards/{k}/images/{rid}.png"
+                Image.fromarray(row["image"]).save(shard / "images" / f"{name}.png")
+                image_key = f"{run_id}/shards/{k}/images/{name}.png"
             if row.get("latents") is not None:
                 (shard / "latents").mkdir(exist_ok=True)
-                torch.save(row["latents"], shard / "latents" / f"{rid}.pt")
+                torch.save(row["latents"], shard / "latents" / f"{name}.pt")
             img = row.get("image")
             rec = {
                 "id": rid,

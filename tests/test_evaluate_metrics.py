@@ -175,6 +175,15 @@ def test_compare_runs_ok_rows_carry_all_metrics(tmp_path) -> None:
         assert np.isfinite(r["psnr"]) and r["psnr"] < 30
 
 
+def test_rows_with_unsafe_ids_find_their_image_and_latents(tmp_path) -> None:
+    ids = ["photo 1/a.jpg", "r1"]
+    write_run(tmp_path, "ref", fake_rows({"seed": 42}, ids=ids))
+    write_run(tmp_path, "other", fake_rows({"seed": 42, "kv_reuse": False}, ids=ids))
+    rows = compare_runs(tmp_path / "ref", tmp_path / "other")
+    assert [r["id"] for r in rows] == ids
+    assert all(r["eval_status"] == OK and r["latent_cos_dist"] is not None for r in rows)
+
+
 def test_generated_ids_stored_as_json_text_are_read(tmp_path) -> None:
     write_run(tmp_path, "ref", fake_rows({"seed": 42}), ids_as_json=True)
     write_run(tmp_path, "seed", fake_rows({"seed": 43}), ids_as_json=True)

@@ -106,6 +106,15 @@ def _num(v: Any) -> float | None:
     return None if math.isnan(f) else f
 
 
+def storage_name(row_id: str) -> str:
+    """The file name stem of a row's objects (images/{name}.png, latents/{name}.pt)."""
+    try:
+        from components.data.runs import row_key
+    except ImportError:  # pragma: no cover - the data package ships with the steps
+        return row_id
+    return row_key(row_id)
+
+
 def _token_ids(value: Any) -> list[int] | None:
     """generated_ids as a list: stored as list<int> or as a JSON array string."""
     if value is None:
@@ -127,7 +136,7 @@ def _resolve_image(run: Path, shard_dir: Path, row: dict[str, Any]) -> Path | No
         if key_path.is_absolute():
             candidates.append(key_path)
         candidates += [run / key_path, run.parent / key_path, shard_dir / key_path]
-    candidates.append(shard_dir / "images" / f"{row['id']}.png")
+    candidates.append(shard_dir / "images" / f"{storage_name(str(row['id']))}.png")
     for c in candidates:
         if c.is_file():
             return c
@@ -161,7 +170,7 @@ def load_run_rows(run_uri: str | Path) -> dict[str, RunRow]:
             row_id = str(rec["id"])
             timings = {k: f for k in rec if k.endswith("_s") and (f := _num(rec[k])) is not None}
             ids = _token_ids(rec.get("generated_ids"))
-            latents = shard_dir / "latents" / f"{row_id}.pt"
+            latents = shard_dir / "latents" / f"{storage_name(row_id)}.pt"
             rows[row_id] = RunRow(
                 id=row_id,
                 shard=shard_dir.name,

@@ -18,7 +18,7 @@ from PIL import Image
 
 from components.evaluate.gates import Thresholds, fmt_db, row_violations
 from components.evaluate.metrics import OK, SIZE_MISMATCH, ImageMismatchError, abs_diff_map, percentile_key
-from components.evaluate.runio import load_run_rows
+from components.evaluate.runio import load_run_rows, storage_name
 from components.report import plots
 from components.report.template import TEMPLATE
 
@@ -117,7 +117,7 @@ def _thresholds(rec: dict[str, Any]) -> Thresholds | None:
 def _find_image(stored: str | None, runs: Path, config: str, row_id: str) -> Path | None:
     if stored and Path(stored).is_file():
         return Path(stored)
-    hits = sorted((runs / config / "shards").glob(f"*/images/{row_id}.png"))
+    hits = sorted((runs / config / "shards").glob(f"*/images/{storage_name(row_id)}.png"))
     return hits[0] if hits else None
 
 
