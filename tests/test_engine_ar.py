@@ -12,7 +12,7 @@ import torch
 from components.engine import AROutput, ARRequest, DiTRequest, SamplingParams
 from components.engine.ar import ARGenerator
 
-from .test_engine_helpers import psnr, random_image, tiny_engine
+from .test_engine_helpers import psnr, random_image, stub_vae_decode, tiny_engine
 
 IMG = random_image(160, 96, seed=1)
 GREEDY = SamplingParams(max_new_tokens=8)
@@ -92,9 +92,6 @@ def test_ar_prompt_is_prefix_of_dit_sequence(engine, runs):
         assert out.prompt_ids + out.generated_ids == seq.cond_ids[:seq.gen_image.timestep_index]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ARGenerator._prefill sizes the KV cache from rows[0]'s stages only; a "
-                                       "batch whose first row has a shorter stage list (e.g. bot_task image) overflows "
-                                       "for a think_recaption row (IndexError on `valid`)")
 def test_mixed_bot_tasks_in_one_batch(engine):
     reqs = [ARRequest("img", "a cat", [], bot_task="image"),
             ARRequest("tr", "a red dog", [], bot_task="think_recaption")]
@@ -222,10 +219,10 @@ def test_same_seed_is_bitwise_identical(engine, edit_out, edit_dit, runs):
         [o.generated_ids for o in runs["sampled"][0]]
 
 
-def test_different_seed_changes_the_image(engine, edit_out, edit_dit):
+def test_different_seed_changes_the_latents(engine, edit_out, edit_dit, monkeypatch):
+    stub_vae_decode(monkeypatch)
     other = engine.dit(DiTRequest(edit_out, [IMG], edit_out.prompt_kv, steps=4, guidance_scale=5.0, seed=6))
     assert (other.latents - edit_dit.latents).abs().max() > 0.1
-    assert psnr(other.image, edit_dit.image) < 40
 
 
 def test_record_round_trip_gives_the_same_image(engine, edit_out, edit_dit):
