@@ -44,7 +44,7 @@ def retry_when(step: str) -> str:
 
 
 _STEP_INPUTS = {
-    "shard": ("dataset", "output", "run_id", "num_shards", "kind"),
+    "shard": ("dataset", "output", "run_id", "num_shards", "kind", "model"),
     "ar": ("output", "run_id", "shard", "model", "kv_store"),
     "dit": ("output", "run_id", "shard", "model", "kv_store", "steps", "guidance"),
     "summary": ("output", "run_id"),
@@ -137,7 +137,7 @@ def _declare_templates(kind: str, run_id: str, s: ClusterSettings) -> None:
     run = {n: _workflow(n) for n in _RUN_VALUES} | {"run_id": run_id}
     with DAG(name="main", parallelism=s.max_parallel_shards):
         sh = shard(name="shard", arguments={"dataset": "{{workflow.parameters.dataset}}", "output": run["output"],
-                                            "run_id": run_id, "kind": kind,
+                                            "run_id": run_id, "kind": kind, "model": run["model"],
                                             "num_shards": "{{workflow.parameters.num_shards}}"})
         per = shard_pipeline(name="shards", arguments=run | {"shard": "{{item}}"},
                              with_sequence=m.Sequence(count="{{workflow.parameters.num_shards}}"))

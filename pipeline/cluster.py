@@ -58,7 +58,8 @@ def step_args(step: str, **values: Any) -> list[Any]:
         return ["sweep", v["spec"], "--output", v["output"], "--sweep-id", v["sweep_id"], "--resume"]
     common = ["--output", v["output"], "--run-id", v["run_id"]]
     if step == "shard":
-        return ["--dataset", v["dataset"], *common, "--num-shards", v["num_shards"], "--kind", v["kind"]]
+        return ["--dataset", v["dataset"], *common, "--num-shards", v["num_shards"], "--kind", v["kind"],
+                "--model", v.get("model", "tiny")]
     if step == "summary":
         return common
     if step in ("ar", "dit"):

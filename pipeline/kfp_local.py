@@ -37,13 +37,14 @@ def _build() -> tuple[Callable, Callable]:
 
     # Bodies are shipped to a subprocess as source: imports go inside them.
     @component
-    def shard_step(dataset: str, output: str, run_id: str, num_shards: int, kind: str) -> list:
+    def shard_step(dataset: str, output: str, run_id: str, num_shards: int, kind: str, model: str) -> list:
         import subprocess
         import sys
 
         from pipeline.cluster import step_args, step_command
 
-        args = step_args("shard", dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind=kind)
+        args = step_args("shard", dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind=kind,
+                         model=model)
         subprocess.run([sys.executable, *step_command("shard")[1:], *map(str, args)], check=True)
         return list(range(num_shards))
 
@@ -83,7 +84,8 @@ def _build() -> tuple[Callable, Callable]:
     @dsl.pipeline(name="ardit-batch-edit-local")
     def batch_edit_local(dataset: str, output: str, run_id: str, num_shards: int, model: str, kv_store: str,
                          weights: str, steps: int, guidance: float):
-        shards = shard_step(dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind="edit")
+        shards = shard_step(dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind="edit",
+                            model=model)
         with dsl.ParallelFor(shards.output) as k:
             ar = ar_step(output=output, run_id=run_id, shard=k, model=model, kv_store=kv_store, weights=weights)
             dit_step(output=output, run_id=run_id, shard=k, model=model, kv_store=kv_store, weights=weights,

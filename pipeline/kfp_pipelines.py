@@ -40,8 +40,9 @@ def _components(settings: ClusterSettings) -> dict[str, Any]:
         return dsl.ContainerSpec(image=settings.tools_image, command=["python", "-c", code], args=[num_shards, indices])
 
     @dsl.container_component
-    def shard(dataset: str, output: str, run_id: str, num_shards: int, kind: str):
-        args = step_args("shard", dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind=kind)
+    def shard(dataset: str, output: str, run_id: str, num_shards: int, kind: str, model: str):
+        args = step_args("shard", dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind=kind,
+                         model=model)
         return dsl.ContainerSpec(image=settings.tools_image, command=step_command("shard"), args=args)
 
     @dsl.container_component
@@ -105,7 +106,8 @@ def _shard_ar_dit_summary(c: dict[str, Any], settings: ClusterSettings, kind: st
     """The DAG both pipelines share (called inside a @dsl.pipeline body)."""
     from kfp import dsl
 
-    sharded = _place(c["shard"](dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind=kind),
+    sharded = _place(c["shard"](dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind=kind,
+                                model=model),
                      settings.tools_pool, settings, tools_image).set_display_name("shard")
     indices = _place(c["shard_indices"](num_shards=num_shards), settings.tools_pool, settings, tools_image,
                      side_effects=False).set_display_name("shard-indices")

@@ -478,11 +478,6 @@ def test_job_completes_through_transient_s3_503s(s3_env, s3_prefix, monkeypatch)
     assert json.loads(store.get_bytes(f"{run_id}/summary.json"))["rows_ok"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the step programs never apply the model's prompt budget: components/shard/__main__.py has no "
-    "--model and validates with the UTF-8 byte counter and DEFAULT_MAX_PROMPT_TOKENS=4096 instead of "
-    "components.steps.model_validators(model) (as pipeline/local.py does), and the AR step does not re-check; "
-    "so via the containers a prompt over the tiny model's 256-token budget runs instead of being an error row"))
 def test_step_programs_reject_a_prompt_over_the_model_budget(tmp_path):
     """The same bad row must be an error row whether the job runs through `run_job` (test above) or
     through the step programs the containers run (shard -> AR with --model tiny)."""

@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any
 
-from components.data.runs import RunLayout
+from components.data.runs import RunLayout, row_key
 from components.steps import default_kv_store, kv_key, load_engine
 
 
@@ -94,5 +94,5 @@ def _denoise_row(engine, store, writer, layout, job, ar_row, key, AROutput, DiTR
 
         buf = io.BytesIO()
         torch.save(out.latents, buf)
-        layout.store.put_bytes(f"{layout.shard_prefix(shard)}/latents/{job.id}.pt", buf.getvalue())
+        layout.store.put_bytes(f"{layout.shard_prefix(shard)}latents/{row_key(job.id)}.pt", buf.getvalue())
     store.delete(key)  # consumed: the image is committed

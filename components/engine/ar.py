@@ -158,8 +158,8 @@ class ARGenerator:
     def _prefill(self, rows: list[_Row], sampling: SamplingParams):
         model, tok = self.model, self.tok
         length = max(len(r.seq.cond_ids) for r in rows)
-        budget = sum(sampling.max_new_tokens + 1 if s[0] == "cot" else len(s[1]) if s[0] == "force" else 1
-                     for s in rows[0].stages) + 8
+        budget = max(sum(sampling.max_new_tokens + 1 if s[0] == "cot" else len(s[1]) if s[0] == "force" else 1
+                         for s in row.stages) for row in rows) + 8  # rows may have different bot_tasks
         batch = len(rows)
         x = model.embed_ids(torch.full((batch, length), tok.pad, device=model.device)).clone()
         positions = torch.zeros(batch, length, 2, dtype=torch.float64)

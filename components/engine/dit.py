@@ -25,7 +25,7 @@ from PIL import Image
 from .ar import AROutput, request_seed
 from .inputs import EncodedImage, embed_span, encode_cond_images
 from .kvcache import PromptKV
-from .sequence import Sequence, SequenceBuilder
+from .sequence import Sequence, SequenceBuilder, first_difference
 from .transformer import HeadMask, HunyuanImage3ForCausalMM, KVCache, attention_mask
 
 
@@ -116,8 +116,12 @@ class DiTGenerator:
                     f"({seq.pos_reuse_len}, {seq.neg_reuse_len})")
         expected = seq.cond_ids[:seq.pos_reuse_len]
         if kv.token_ids != expected:
-            i = next(i for i, (a, b) in enumerate(zip(kv.token_ids, expected)) if a != b)
+            i = first_difference(kv.token_ids, expected)
             return f"prefix tokens differ from the DiT sequence at index {i}"
+        short = [i for i, (k, v) in enumerate(zip(kv.keys, kv.values))
+                 if k.shape[0] != seq.pos_reuse_len or v.shape[0] != seq.pos_reuse_len]
+        if short:
+            return f"layer {short[0]}: KV holds {kv.keys[short[0]].shape[0]} tokens, expected {seq.pos_reuse_len}"
         return ""
 
     def prefix_from_scratch(self, seq: Sequence, images: list[Image.Image], cfg_on: bool) -> KVCache:

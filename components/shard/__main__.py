@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from components.data.datasets import DEFAULT_MAX_PROMPT_TOKENS, DatasetError
+from components.data.datasets import DatasetError
 from components.data.objectstore import ObjectStoreError
 
 from .run import ShardConflictError, run
@@ -19,13 +19,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-id", required=True)
     p.add_argument("--num-shards", type=int, required=True)
     p.add_argument("--kind", choices=["edit", "generate"], required=True)
-    p.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
-                   help="token budget per prompt (counted as UTF-8 bytes here)")
+    p.add_argument("--model", default="tiny",
+                   help="model whose tokenizer and resolution buckets validate prompts and sizes")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="token budget per prompt (default: the model's)")
     args = p.parse_args(argv)
+    from components.steps import model_validators
+
+    count_tokens, is_supported_size, model_budget = model_validators(args.model)
     try:
         manifest = run(args.dataset, args.output, args.run_id, args.num_shards, args.kind,
-                       max_prompt_tokens=args.max_prompt_tokens)
-    except (DatasetError, ShardConflictError, ObjectStoreError, FileNotFoundError, ValueError) as exc:
+                       max_prompt_tokens=args.max_prompt_tokens or model_budget, count_tokens=count_tokens,
+                       is_supported_size=is_supported_size)
+    except ObjectStoreError as exc:  # may be transient: exit 1 so workflow engines retry
+        print(f"shard: error: {exc}", file=sys.stderr)
+        return 1
+    except (DatasetError, ShardConflictError, FileNotFoundError, ValueError) as exc:
         print(f"shard: error: {exc}", file=sys.stderr)
         return 2
     brief = {k: manifest[k] for k in ("run_id", "kind", "num_shards", "num_rows", "num_valid", "num_errors", "created")}
