@@ -9,6 +9,7 @@ Next to it: a same-process memcpy of the same bytes (1 thread and all threads) a
     python benchmarks/kv_transfer.py                      # mooncake (own servers on 127.0.0.1) + local
     python benchmarks/kv_transfer.py --tokens 2000 --backends local
     python benchmarks/kv_transfer.py --part 32MB --part 256MB   # compare part sizes (mooncake)
+    python benchmarks/kv_transfer.py --put-streams 8 --get-groups 2 --backends mooncake
 
 On a machine with other network interfaces, run it inside a loopback-only namespace:
     unshare -n bash -c 'ip link set lo up && .venv/bin/python benchmarks/kv_transfer.py'
@@ -205,10 +206,18 @@ def main() -> None:
         "--part", action="append", help="mooncake part size(s), e.g. 64MB (repeatable)"
     )
     ap.add_argument(
-        "--streams",
+        "--put-streams",
         action="append",
         type=int,
-        help="mooncake transfers in flight (repeatable; 1 = one batch call after encoding)",
+        help="mooncake put: parts in flight as they are encoded (repeatable; 1 = encode, "
+        "then one batch call; default 1 and 4)",
+    )
+    ap.add_argument(
+        "--get-groups",
+        action="append",
+        type=int,
+        help="mooncake get: sequential batch calls overlapped with decoding (repeatable; "
+        "default 1 and 4)",
     )
     ap.add_argument(
         "--segment",
@@ -255,28 +264,27 @@ def main() -> None:
                 )
         elif b == "mooncake":
             combos = [
-                (p, s) for p in (a.part or ["64MB"]) for s in (a.streams or [1, 4])
+                (
+                    f"mooncake {p} put x{ps} get /{gg}",
+                    f"&part={p}&put_streams={ps}&get_groups={gg}",
+                )
+                for p in (a.part or ["64MB"])
+                for ps in (a.put_streams or [1, 4])
+                for gg in (a.get_groups or [1, 4])
             ]
             if a.url.startswith("mooncake://"):
-                for p, s in combos:
-                    results.append(
-                        bench_backend(
-                            f"mooncake {p} x{s}", f"{a.url}&part={p}&streams={s}", a
-                        )
-                    )
+                for label, q in combos:
+                    results.append(bench_backend(label, a.url + q, a))
+                    print(f"  {label}: done", flush=True)
                 continue
             from components.kvstore.servers import MooncakeServers
 
             # a payload per warm repeat plus the cold one is in flight before the consumer runs
             seg = a.segment or f"{int(nbytes * (a.repeats + 1) * 1.25 / 2**20) + 256}MB"
             with MooncakeServers(segment=seg) as srv:
-                for p, s in combos:
-                    results.append(
-                        bench_backend(
-                            f"mooncake {p} x{s}", f"{srv.url}&part={p}&streams={s}", a
-                        )
-                    )
-                    print(f"  {results[-1]['backend']}: done", flush=True)
+                for label, q in combos:
+                    results.append(bench_backend(label, srv.url + q, a))
+                    print(f"  {label}: done", flush=True)
             continue
         else:
             raise SystemExit(f"unknown backend {b!r} (mooncake, local)")

@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def store_url(request, tmp_path):
     if request.param == "local":
         return f"local://{tmp_path}/kv"
-    # small parts so tiny tensors still make multi-part payloads; streams=1: one batch call
-    streams = 1 if request.param == "mooncake-batch" else 3
+    # small parts so tiny tensors still make multi-part payloads; batch: one call each way
+    n = 1 if request.param == "mooncake-batch" else 3
     return (
         request.getfixturevalue("mooncake_url")
-        + f"&part=1MB&timeout=20&streams={streams}"
+        + f"&part=1MB&timeout=20&put_streams={n}&get_groups={n}"
     )
 
 
