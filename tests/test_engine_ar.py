@@ -246,3 +246,38 @@ def test_record_round_trip_gives_the_same_image(engine, edit_out, edit_dit):
     assert rec_only.kv_path == "recompute"
     assert (rec_only.latents - edit_dit.latents).abs().max().item() <= 1e-4
     assert psnr(rec_only.image, edit_dit.image) >= 60
+
+
+def test_zero_cot_budget_gives_empty_cot(engine):
+    tok = engine.tokenizer
+    out = engine.generate_ar([ARRequest("z", "a cat", [], bot_task="think_recaption")],
+                             SamplingParams(max_new_tokens=0))[0]
+    assert out.generated_ids[:-1] == [tok.think_end, tok.recaption, tok.recaption_end, tok.answer, tok.boi,
+                                      tok.size_id(256)]
+    assert out.cot_text == ""
+    seq = engine.builder.dit_sequence(out.user_text, out.cond_images, out.assistant_ids, out.system_prompt,
+                                      out.ratio_index)
+    assert out.prompt_kv.pos_reuse_len == seq.cond_ids.index(tok.recaption_end)
+
+
+class _DeepcopyProbe:
+    copies = 0
+
+    def __deepcopy__(self, memo):
+        type(self).copies += 1
+        return self
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: AROutput.to_record calls dataclasses.asdict(self), which deep-copies "
+                                       "prompt_kv (every K/V tensor, ~400 MB per row at full size, on the GPU) "
+                                       "only to drop it")
+def test_to_record_does_not_copy_the_kv():
+    from components.engine import PromptKV
+    from components.engine.sequence import CondImage
+
+    kv = PromptKV([torch.zeros(3, 2, 16)], [torch.zeros(3, 2, 16)], [1, 2, 3], 3, 2, meta={"probe": _DeepcopyProbe()})
+    out = AROutput("r", "a cat", "", "image", [CondImage(2, 3, 20, (2, 2), 5)], [1, 2, 3], [20], [1, 20], "",
+                   0, (512, 128), prompt_kv=kv)
+    rec = out.to_record()
+    assert "prompt_kv" not in rec and rec["cond_images"][0]["vit_grid"] == (2, 2)
+    assert _DeepcopyProbe.copies == 0
