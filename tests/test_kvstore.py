@@ -35,7 +35,7 @@ def store_url(request, tmp_path):
     n = 1 if request.param == "mooncake-batch" else 3
     return (
         request.getfixturevalue("mooncake_url")
-        + f"&part=1MB&timeout=20&put_streams={n}&get_groups={n}"
+        + f"&part=1MB&buffer=1MB&timeout=20&put_streams={n}&get_groups={n}"
     )
 
 
@@ -121,6 +121,20 @@ def test_producer_exits_then_another_process_gets_identical_bytes(store_url, run
         assert hashlib.sha256(s.get_bytes(key)).hexdigest() == digest
         assert s.delete_prefix(run) == 1
         assert ours(s, run) == []
+
+
+def test_growing_payloads_reuse_and_grow_the_buffer(store, run):
+    """Payloads bigger than the transfer buffer (1 MB for mooncake here) make it grow;
+    smaller ones after that reuse it. Every one reads back intact."""
+    kvs = [
+        make_kv(torch.bfloat16, layers=2, tokens=t, heads=4, head_dim=64, seed=t)
+        for t in (100, 1500, 300, 4000)
+    ]
+    for i, kv in enumerate(kvs):
+        store.put(f"{run}/0/{i}", kv)
+    for i, kv in enumerate(kvs):
+        assert_same(kv, store.get(f"{run}/0/{i}", "tiny", "cfg1").kv)
+    assert store.delete_prefix(run) == len(kvs) and ours(store, run) == []
 
 
 def test_missing_key_is_absent_with_reason(store, run):

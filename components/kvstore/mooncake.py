@@ -322,6 +322,10 @@ class MooncakeStore(KVStore):
         if cur is not None:
             self._ms.unregister_buffer(cur.ptr)
         floor = self.cfg.buffer if which == "_buf" else 1 << 20
+        if cur is not None:  # grow by half at least, so a few slightly bigger payloads
+            floor = max(
+                floor, cur.size * 3 // 2
+            )  # do not re-fault the whole buffer each time
         new = _Registered(self._ms, max(floor, -(-size // (1 << 20)) << 20))
         setattr(self, which, new)
         return new
