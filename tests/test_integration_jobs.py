@@ -478,21 +478,25 @@ def test_job_completes_through_transient_s3_503s(s3_env, s3_prefix, monkeypatch)
     assert json.loads(store.get_bytes(f"{run_id}/summary.json"))["rows_ok"] == 2
 
 
-def test_step_programs_reject_a_prompt_over_the_model_budget(tmp_path):
-    """The same bad row must be an error row whether the job runs through `run_job` (test above) or
-    through the step programs the containers run (shard -> AR with --model tiny)."""
+def test_step_programs_reject_rows_over_the_model_limits(tmp_path):
+    """The same bad rows must be error rows whether the job runs through `run_job` (test above) or
+    through the step programs the containers run (shard -> AR with --model tiny): a prompt over the
+    tiny model's 256-token budget (but under the generic 4096-byte default) and a size that is a
+    multiple of 16 but no bucket of the tiny model. (Found failing; fixed in 0c533ac.)"""
+    from components.data.datasets import write_parquet_bytes
     from components.data.objectstore import open_object_store
 
-    rows = [{"id": "too-long", "prompt": "a lighthouse on a cliff in a storm " * 80}]  # 2800 bytes/tokens
-    from components.data.datasets import write_parquet_bytes
-
+    rows = [{"id": "too-long", "prompt": "a lighthouse on a cliff in a storm " * 80, "size": "auto"},  # 2800 bytes
+            {"id": "no-bucket", "prompt": "a red fox", "size": "64x64"}]
     (tmp_path / "gen.parquet").write_bytes(write_parquet_bytes(pa.Table.from_pylist(rows)))
     output, common = str(tmp_path / "out"), ["--output", str(tmp_path / "out"), "--run-id", "long"]
     run_step("components.shard", "--dataset", str(tmp_path / "gen.parquet"), *common, "--num-shards", "1",
-             "--kind", "generate")
+             "--kind", "generate", "--model", "tiny")
     run_step("components.ar", *common, "--shard", "0", *ENGINE, "--max-new-tokens", "2", "--bot-task", "image")
     store = open_object_store(output)
     shard_input = pq.read_table(io.BytesIO(store.get_bytes("long/inputs/0.parquet"))).to_pylist()
     ar = pq.read_table(io.BytesIO(store.get_bytes("long/shards/0/ar.parquet"))).to_pylist()
-    errors = [r["error"] for r in shard_input + ar if r.get("error")]
-    assert any("over the budget of 256" in e for e in errors), (shard_input[0]["error"], ar)
+    errors = {r["id"]: r["error"] for r in shard_input + ar if r.get("error")}
+    assert set(errors) == {"too-long", "no-bucket"}, (shard_input, ar)
+    assert "over the budget of 256" in errors["too-long"]
+    assert "64x64" in errors["no-bucket"] and "not supported" in errors["no-bucket"]
