@@ -93,8 +93,10 @@ def test_ar_prompt_is_prefix_of_dit_sequence(engine, runs):
 
 
 def test_mixed_bot_tasks_in_one_batch(engine):
+    """The first row has the shortest stage list (overflowed the KV cache before 0c533ac)."""
     reqs = [ARRequest("img", "a cat", [], bot_task="image"),
-            ARRequest("tr", "a red dog", [], bot_task="think_recaption")]
+            ARRequest("tr", "a red dog", [], bot_task="think_recaption"),
+            ARRequest("th", "a blue boat on the sea", [], bot_task="think")]
     batched = engine.generate_ar(reqs, GREEDY)
     for b, r in zip(batched, reqs):
         assert b.generated_ids == engine.generate_ar([r], GREEDY)[0].generated_ids

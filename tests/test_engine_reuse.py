@@ -206,8 +206,8 @@ def test_truncated_token_ids_fall_back_to_recompute(engine, ar_outputs):
     out = ar_outputs[("image", "t2i")]
     kv = _copy_kv(out.prompt_kv)
     kv.token_ids = kv.token_ids[:-1]  # boundaries unchanged, one token id missing
-    reason = engine.dit.check_kv(kv, _seq(engine, out))
-    assert "token" in reason
+    reason = engine.dit.check_kv(kv, _seq(engine, out))  # (was a StopIteration crash; fixed in 0c533ac)
+    assert reason == f"prefix tokens differ from the DiT sequence at index {len(kv.token_ids)}"
 
 
 def test_short_kv_tensors_fall_back_to_recompute(engine, ar_outputs, no_decode):
@@ -215,9 +215,10 @@ def test_short_kv_tensors_fall_back_to_recompute(engine, ar_outputs, no_decode):
     kv = _copy_kv(out.prompt_kv)
     kv.keys = [k[:-1] for k in kv.keys]
     kv.values = [v[:-1] for v in kv.values]
-    res = engine.dit(DiTRequest(out, [], kv, steps=1, guidance_scale=GUIDANCE, seed=7))
+    res = engine.dit(DiTRequest(out, [], kv, steps=1, guidance_scale=GUIDANCE, seed=7))  # (crashed before 0c533ac)
     assert res.kv_path == "recompute"
-    assert res.kv_reason
+    n = kv.pos_reuse_len
+    assert res.kv_reason == f"layer 0: KV holds {n - 1} tokens, expected {n}"
 
 
 # --------------------------------------------------------------------------- conditioning images are used
