@@ -214,13 +214,13 @@ def test_dit_killed_after_first_row_resumes_without_redoing_it(tmp_path):
     from components.steps import default_kv_store, model_validators
     from components.summary.run import run as run_summary
 
-    dataset = write_sample_edit_dataset(str(tmp_path / "data"), n=4, size=64, seed=7)
+    dataset = write_sample_edit_dataset(str(tmp_path / "data"), n=3, size=64, seed=7)
     output, run_id = str(tmp_path / "out"), "kill"
     count_tokens, is_supported_size, max_tokens = model_validators("tiny")
     run_shard(dataset, output, run_id, 1, "edit", count_tokens=count_tokens, is_supported_size=is_supported_size,
               max_prompt_tokens=max_tokens)
     run_ar(output, run_id, 0, max_new_tokens=6, device="cpu")
-    ids = [f"edit-{i:04d}" for i in range(4)]
+    ids = [f"edit-{i:04d}" for i in range(3)]
     kv = open_store(default_kv_store(output, run_id))
     assert kv.keys(run_id) == [f"{run_id}/0/{i}" for i in ids]
 
@@ -263,7 +263,7 @@ def test_dit_killed_after_first_row_resumes_without_redoing_it(tmp_path):
                                 *ENGINE, *STEPS))
     assert result["shard"] == 0
     rows = check_committed_run(store, run_id, [ids])
-    assert [r["kv_path"] for r in rows] == ["reuse"] * 4  # the payloads of the unfinished rows survived
+    assert [r["kv_path"] for r in rows] == ["reuse"] * 3  # the payloads of the unfinished rows survived
     after = {name: ((shard_dir / ("rows" if name.endswith(".json") else "images") / name).read_bytes(),
                     (shard_dir / ("rows" if name.endswith(".json") else "images") / name).stat().st_mtime_ns)
              for name in before}
@@ -271,7 +271,7 @@ def test_dit_killed_after_first_row_resumes_without_redoing_it(tmp_path):
     assert sorted(p.name for p in (shard_dir / "images").iterdir()) == [f"{i}.png" for i in ids]
     assert kv.keys(run_id) == []
     summary = run_summary(output, run_id)
-    assert (summary["complete"], summary["rows_ok"], summary["rows_failed"]) == (True, 4, 0)
+    assert (summary["complete"], summary["rows_ok"], summary["rows_failed"]) == (True, 3, 0)
 
     # a third run of the committed shard is a no-op
     assert last_json(run_step("components.dit", "--output", output, "--run-id", run_id, "--shard", "0",
@@ -355,10 +355,12 @@ class FlakyS3Proxy:
     request of a method in `methods` gets a 503 SlowDown instead, until `max_faults` were sent.
     """
 
-    def __init__(self, upstream: str, methods=("PUT", "GET", "HEAD"), every: int = 3, max_faults: int = 40):
+    def __init__(self, upstream: str, methods=("PUT", "GET", "HEAD"), every: int = 3, max_faults: int = 40,
+                 always=None):
         u = urlparse(upstream)
         self.upstream = (u.hostname, u.port)
         self.methods, self.every, self.max_faults = set(methods), every, max_faults
+        self.always = always  # (method, path) -> True: a permanent outage for those requests
         self.seen: dict[str, int] = {}
         self.injected: dict[str, int] = {}
         self.forwarded = 0
@@ -387,7 +389,7 @@ class FlakyS3Proxy:
 
             def _handle(self) -> None:
                 body = self._body()
-                if proxy._fault(self.command):
+                if proxy._fault(self.command, self.path):
                     err = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                            b"<Message>Please reduce your request rate (injected by the test proxy).</Message>"
                            b"<RequestId>flaky-proxy</RequestId></Error>")
@@ -430,9 +432,13 @@ class FlakyS3Proxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def _fault(self, method: str) -> bool:
+    def _fault(self, method: str, path: str) -> bool:
         with self._lock:
             n = self.seen[method] = self.seen.get(method, 0) + 1
+            if self.always is not None:
+                hit = self.always(method, path)
+                self.injected[method] = self.injected.get(method, 0) + hit
+                return hit
             if method in self.methods and n % self.every == 0 and sum(self.injected.values()) < self.max_faults:
                 self.injected[method] = self.injected.get(method, 0) + 1
                 return True
@@ -455,7 +461,7 @@ def test_job_completes_through_transient_s3_503s(s3_env, s3_prefix, monkeypatch)
     from pipeline.local import run_job
 
     dataset = write_sample_edit_dataset(f"{s3_prefix}/data", n=2, size=64, seed=9)  # direct, no faults
-    output, run_id = f"{s3_prefix}/out", "flaky"
+    output, run_id = f"{s3_prefix}/out", f"flaky-{uuid.uuid4().hex[:8]}"  # the local KV dir is per run id
     with FlakyS3Proxy(s3_env.endpoint, every=3) as proxy:
         monkeypatch.setenv("ARDIT_S3_ENDPOINT", proxy.url)
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -476,6 +482,52 @@ def test_job_completes_through_transient_s3_503s(s3_env, s3_prefix, monkeypatch)
     keys = bucket_keys(s3_env, f"{s3_key_prefix(output)}/{run_id}/")
     assert f"{s3_key_prefix(output)}/{run_id}/summary.json" in keys
     assert json.loads(store.get_bytes(f"{run_id}/summary.json"))["rows_ok"] == 2
+
+
+@pytest.mark.servers
+def test_dit_step_fails_cleanly_on_an_s3_outage_at_commit_then_resumes(s3_env, s3_prefix, tmp_path):
+    """rows.parquet cannot be written (503 on every try): the DiT step exits non-zero naming the S3
+    error, the shard is not committed; the re-run commits without redoing the rows."""
+    from components.ar.run import run as run_ar
+    from components.data.objectstore import open_object_store
+    from components.data.sample import write_sample_generate_dataset
+    from components.shard.run import run as run_shard
+    from components.steps import model_validators
+
+    dataset = write_sample_generate_dataset(f"{s3_prefix}/data", n=2, seed=13)
+    output, run_id = f"{s3_prefix}/out", f"outage-{uuid.uuid4().hex[:8]}"  # the local KV dir is per run id
+    count_tokens, is_supported_size, max_tokens = model_validators("tiny")
+    run_shard(dataset, output, run_id, 1, "generate", count_tokens=count_tokens,
+              is_supported_size=is_supported_size, max_prompt_tokens=max_tokens)
+    run_ar(output, run_id, 0, max_new_tokens=6, device="cpu")
+    dit = ["components.dit", "--output", output, "--run-id", run_id, "--shard", "0", *ENGINE, *STEPS]
+
+    outage = lambda method, path: method == "PUT" and "/shards/0/rows.parquet" in path  # noqa: E731
+    with FlakyS3Proxy(s3_env.endpoint, always=outage) as proxy:
+        env = dict(os.environ, ARDIT_S3_ENDPOINT=proxy.url, AWS_ENDPOINT_URL=proxy.url, ARDIT_S3_MAX_ATTEMPTS="2")
+        proc = subprocess.run([sys.executable, "-m", *dit], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=STEP_TIMEOUT_S)
+    assert proc.returncode != 0, proc.stdout
+    assert "SlowDown" in proc.stderr and "rows.parquet" in proc.stderr, proc.stderr[-3000:]
+    assert proxy.injected.get("PUT") == 2  # both attempts of the one PUT
+    base = f"{s3_key_prefix(output)}/{run_id}/shards/0"
+    keys = bucket_keys(s3_env, base + "/")
+    assert f"{base}/_COMMITTED" not in keys and f"{base}/rows.parquet" not in keys
+    assert sorted(k for k in keys if "/rows/" in k) == [f"{base}/rows/gen-0000.json", f"{base}/rows/gen-0001.json"]
+    client = s3_env.client()
+    def stamp(key):  # a redone row has new timings in its record; LastModified catches a rewritten PNG
+        head = client.head_object(Bucket=s3_env.bucket, Key=key)
+        return head["ETag"], head["LastModified"]
+
+    before = {k: stamp(k) for k in keys if "/images/" in k or "/rows/" in k}
+    assert len(before) == 4
+
+    run_step(*dit)  # the outage is over
+    store = open_object_store(output)
+    rows = check_committed_run(store, run_id, [["gen-0000", "gen-0001"]])
+    assert [r["kv_path"] for r in rows] == ["reuse", "reuse"]
+    after = {k: stamp(k) for k in before}
+    assert after == before
 
 
 def test_step_programs_reject_rows_over_the_model_limits(tmp_path):
