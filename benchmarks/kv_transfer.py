@@ -102,7 +102,7 @@ def role_consumer(a: argparse.Namespace) -> dict:
 
 
 def memcpy_baseline(nbytes: int, repeats: int) -> dict:
-    from components.kvstore.payload import _crc_chunked, _pool, parallel_copy
+    from components.kvstore.payload import _crc_chunked, parallel_copy, thread_pool
 
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -121,7 +121,7 @@ def memcpy_baseline(nbytes: int, repeats: int) -> dict:
         res["crc32_1t_s"].append(time.perf_counter() - t)
         t = time.perf_counter()
         list(
-            _pool().map(
+            thread_pool().map(
                 lambda s: _crc_chunked(src[s : s + chunk]), range(0, nbytes, chunk)
             )
         )

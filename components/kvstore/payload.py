@@ -101,7 +101,7 @@ def _workers() -> int:
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _pool() -> ThreadPoolExecutor:
+def thread_pool() -> ThreadPoolExecutor:
     # One shared pool: numpy copies and zlib.crc32 release the GIL on large buffers.
     global _POOL
     if _POOL is None:
@@ -274,7 +274,7 @@ class EncodeJob:
             return _crc_chunked(dst)
 
         self.futures = [
-            _pool().submit(copy_and_crc, e, t)
+            thread_pool().submit(copy_and_crc, e, t)
             for e, (_, t) in zip(self.entries, _entries(kv))
         ]
 
@@ -309,19 +309,33 @@ def encode_payload(kv: PromptKV, *, put_time: float | None = None) -> np.ndarray
     return out
 
 
+class StreamEncoding:
+    """For streaming writers (files), without a staging buffer: the tensors' raw byte views in
+    data order, written from `data_offset` on, and `header()` (prefix, JSON, padding: the bytes
+    before `data_offset`), which waits for the crc32s that the pool computes meanwhile."""
+
+    def __init__(self, kv: PromptKV, *, put_time: float | None = None):
+        _check_kv(kv)
+        self.kv = kv
+        self.put_time = time.time() if put_time is None else put_time
+        self.views = [tensor_u8(t) for _, t in _entries(kv)]
+        # crcs are fixed width, so the data offset is known before they are
+        _, self.data_offset, self.data_len, _ = _plan(kv, self.put_time, None)
+        self._crcs = [thread_pool().submit(_crc_chunked, v) for v in self.views]
+
+    def header(self) -> bytes:
+        crcs = [f.result() for f in self._crcs]
+        hj, data_offset, data_len, _ = _plan(self.kv, self.put_time, crcs)
+        head = _prefix(hj, data_offset, data_len) + hj
+        return head + b"\x00" * (data_offset - len(head))
+
+
 def encode_header(
     kv: PromptKV, *, put_time: float | None = None
 ) -> tuple[bytes, list[np.ndarray]]:
-    """For streaming writers (files): the bytes before the data region (prefix, header, padding)
-    and the tensors' raw byte views in data order. crc32 is computed from the source tensors in
-    the thread pool, so no intermediate payload buffer is needed."""
-    _check_kv(kv)
-    put_time = time.time() if put_time is None else put_time
-    views = [tensor_u8(t) for _, t in _entries(kv)]
-    crcs = list(_pool().map(_crc_chunked, views))
-    hj, data_offset, data_len, _ = _plan(kv, put_time, crcs)
-    head = _prefix(hj, data_offset, data_len) + hj
-    return head + b"\x00" * (data_offset - len(head)), views
+    """The bytes before the data region and the tensors' byte views (see StreamEncoding)."""
+    enc = StreamEncoding(kv, put_time=put_time)
+    return enc.header(), enc.views
 
 
 # ---------------------------------------------------------------- decode
@@ -399,7 +413,9 @@ def verify_data(h: Header, data: np.ndarray) -> None:
         )
     ents = h.tensors
     got = list(
-        _pool().map(lambda e: _crc_chunked(data[e.offset : e.offset + e.nbytes]), ents)
+        thread_pool().map(
+            lambda e: _crc_chunked(data[e.offset : e.offset + e.nbytes]), ents
+        )
     )
     for e, c in zip(ents, got):
         if c != e.crc:
@@ -412,7 +428,7 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """memcpy in chunks across the thread pool (one thread cannot saturate memory bandwidth)."""
     n = src.nbytes
     list(
-        _pool().map(
+        thread_pool().map(
             lambda s: np.copyto(dst[s : s + _CHUNK * 4], src[s : s + _CHUNK * 4]),
             range(0, n, _CHUNK * 4),
         )
@@ -488,7 +504,7 @@ def decode_data(
         for e in ents:
             if ready:
                 ready(e.offset, e.offset + e.nbytes)
-            futs.append(_pool().submit(copy_and_crc, e))
+            futs.append(thread_pool().submit(copy_and_crc, e))
         crcs = [f.result() for f in futs]
         if verify:
             for e, c in zip(ents, crcs):
