@@ -530,6 +530,42 @@ def test_dit_step_fails_cleanly_on_an_s3_outage_at_commit_then_resumes(s3_env, s
     assert after == before
 
 
+@pytest.mark.servers
+def test_shard_step_reads_an_s3_dataset_directory_with_image_uris(s3_env, s3_prefix):
+    """A dataset that is an S3 prefix of several Parquet files whose rows point at images by
+    relative key, by absolute s3:// URI, or at a key that does not exist."""
+    import random
+
+    from components.data.datasets import write_parquet_bytes
+    from components.data.objectstore import open_object_store
+    from components.data.sample import draw_scene
+
+    rng = random.Random(21)
+    pngs = [draw_scene(64, rng) for _ in range(3)]
+    ds = open_object_store(f"{s3_prefix}/ds")
+    ds.put_bytes("imgs/a.png", pngs[0])
+    ds.put_bytes("imgs/b.png", pngs[1])
+    open_object_store(f"{s3_prefix}/elsewhere").put_bytes("c.png", pngs[2])
+    schema = pa.schema([("id", pa.string()), ("instruction", pa.string()), ("image_uri", pa.string())])
+    part = lambda rows: write_parquet_bytes(pa.Table.from_pylist(rows, schema=schema))  # noqa: E731
+    ds.put_bytes("part-0.parquet", part([{"id": "rel", "instruction": "make it snow", "image_uri": "imgs/a.png"},
+                                         {"id": "rel2", "instruction": "add a moon", "image_uri": "imgs/b.png"}]))
+    ds.put_bytes("part-1.parquet", part([
+        {"id": "abs", "instruction": "make it red", "image_uri": f"{s3_prefix}/elsewhere/c.png"},
+        {"id": "gone", "instruction": "make it blue", "image_uri": "imgs/missing.png"}]))
+    ds.put_bytes("notes.txt", b"not a parquet file: ignored")
+
+    output = f"{s3_prefix}/out"
+    brief = last_json(run_step("components.shard", "--dataset", f"{s3_prefix}/ds", "--output", output,
+                               "--run-id", "uris", "--num-shards", "2", "--kind", "edit", "--model", "tiny"))
+    assert (brief["num_rows"], brief["num_valid"], brief["num_errors"]) == (4, 3, 1)
+    store = open_object_store(output)
+    jobs = [r for k in (0, 1) for r in pq.read_table(io.BytesIO(store.get_bytes(f"uris/inputs/{k}.parquet"))).to_pylist()]
+    assert [j["id"] for j in jobs] == ["rel", "rel2", "abs", "gone"]  # files in key order, rows in file order
+    assert [j["image"] for j in jobs[:3]] == pngs  # resolved to bytes at shard time
+    assert jobs[3]["image"] is None and "imgs/missing.png" in jobs[3]["error"] and "does not exist" in jobs[3]["error"]
+
+
 def test_step_programs_reject_rows_over_the_model_limits(tmp_path):
     """The same bad rows must be error rows whether the job runs through `run_job` (test above) or
     through the step programs the containers run (shard -> AR with --model tiny): a prompt over the
