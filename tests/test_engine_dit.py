@@ -102,3 +102,38 @@ def test_generate_dit_runs_each_request(engine, edit_out):
     assert not torch.equal(res[0].latents, res[1].latents)
     assert set(res[0].timings) >= {"dit_prefix_s", "dit_step_s", "vae_decode_s", "dit_total_s"}
     assert len(res[0].timings["dit_step_s"]) == 2
+
+
+def _reference_predict(engine, cache, seq, latents, t, guidance, timestep_sees_image=False):
+    """The denoising step written with the generic boolean block mask (`attention_mask`, checked by hand in
+    test_engine_layout) instead of the DiT's HeadMask fast path."""
+    from components.engine.transformer import attention_mask
+
+    model, gen = engine.model, seq.gen_image
+    batch = cache.k[0].shape[0]
+    x = torch.cat([model.timestep_tokens(t), model.image_tokens(latents, t)[0]]).unsqueeze(0).expand(batch, -1, -1)
+    start, end = gen.timestep_index, gen.end
+    blocks = seq.block_ids()
+    if timestep_sees_image:  # bug model: <timestep> inside the image block
+        blocks = blocks.clone()
+        blocks[start] = blocks[gen.start]
+    mask = attention_mask(torch.arange(start, end).expand(batch, -1), torch.arange(end).expand(batch, -1),
+                          blocks[start:end].expand(batch, -1), blocks[:end].expand(batch, -1))
+    hidden = model.forward_layers(x, seq.positions()[start:end].expand(batch, -1, -1), mask, cache)
+    out = model.image_output(hidden[:, 1:], t.expand(batch), gen.h, gen.w).float()
+    return out if batch == 1 else out[1:2] + guidance * (out[0:1] - out[1:2])
+
+
+def test_denoise_step_fast_mask_equals_block_mask(engine, edit_out):
+    dit, seq = engine.dit, _seq(engine, edit_out)
+    cache = dit.prefix_from_reuse(seq, edit_out.prompt_kv, [], cfg_on=True)
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, 32, seq.gen_image.h, seq.gen_image.w, generator=g)
+    t = torch.tensor([450.0])
+    with torch.no_grad():
+        fast = dit.predict(cache, seq, latents, t, 5.0)
+        ref = _reference_predict(engine, cache, seq, latents, t, 5.0)
+        wrong = _reference_predict(engine, cache, seq, latents, t, 5.0, timestep_sees_image=True)
+    scale = ref.abs().max().item()
+    assert (fast - ref).abs().max().item() <= 1e-5 * max(1.0, scale)
+    assert (wrong - ref).abs().max().item() > 1e-3 * scale  # the mask matters: the comparison can fail

@@ -180,3 +180,22 @@ def test_apply_rope_rotate_half_and_relative_property():
 
     assert dot(10.0, 3.0) == pytest.approx(dot(107.0, 100.0), abs=1e-9)
     assert dot(10.0, 3.0) != pytest.approx(dot(10.0, 4.0), abs=1e-6)
+
+
+def test_head_mask_attention_equals_full_boolean_mask():
+    """`attend` with a HeadMask (mask on the first rows only, the rest unmasked) == SDPA with the full mask."""
+    from components.engine.transformer import HeadMask, attend
+
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, t, s, d = 2, 4, 2, 5, 9, 16
+    q = torch.randn(b, hq, t, d, generator=g)
+    k = torch.randn(b, hkv, s, d, generator=g)
+    v = torch.randn(b, hkv, s, d, generator=g)
+    head = torch.arange(s) <= 4  # the first query (a <timestep>) sees keys 0..4 only
+    full = torch.ones(b, 1, t, s, dtype=torch.bool)
+    full[:, :, 0] = head
+    out = attend(q, k, v, HeadMask(head.view(1, 1, 1, s).expand(b, 1, 1, s), rows=1))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=True)
+    assert torch.allclose(out, ref, atol=1e-6)
+    unmasked = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert not torch.allclose(out[:, :, 0], unmasked[:, :, 0], atol=1e-3)  # the head mask is applied
