@@ -114,7 +114,7 @@ def check_committed_run(store, run_id: str, expected_ids: list[list[str]]) -> li
 
 
 def _steps_job_on_services(s3_env, s3_prefix, mooncake_url, kind: str, num_rows: int,
-                           num_shards: int) -> None:
+                           num_shards: int, retry_ar: bool = False) -> None:
     from components.data.objectstore import open_object_store
     from components.data.sample import write_sample_edit_dataset, write_sample_generate_dataset
 
@@ -141,6 +141,16 @@ def _steps_job_on_services(s3_env, s3_prefix, mooncake_url, kind: str, num_rows:
            for k in range(num_shards)]
     assert sorted(sum(ids, [])) == [f"{'edit' if kind == 'edit' else 'gen'}-{i:04d}" for i in range(num_rows)]
     assert payloads == sorted(f"{run_id}/{k}/{i}" for k in range(num_shards) for i in ids[k])
+    if retry_ar:
+        # an AR attempt that put its payloads but died before ar.parquet: the retry replaces them,
+        # leaving no orphaned parts of the first attempt behind
+        _, raw_before = mooncake_keys_of(mooncake_url, run_id)
+        for shard in range(num_shards):
+            store.delete(f"{run_id}/shards/{shard}/ar.parquet")
+            run_step("components.ar", *common, "--shard", str(shard), *ENGINE, *kv, *AR_FAST, env=env)
+        payloads_again, raw_after = mooncake_keys_of(mooncake_url, run_id)
+        assert payloads_again == payloads and len(raw_after) == len(raw_before), (raw_before, raw_after)
+        assert set(raw_after) & set(raw_before) == set(payloads)  # same headers, new parts
 
     for shard in range(num_shards):
         result = last_json(run_step("components.dit", *common, "--shard", str(shard), *ENGINE, *kv, *STEPS, env=env))
@@ -177,7 +187,7 @@ def test_edit_job_steps_on_s3_and_mooncake(s3_env, s3_prefix, mooncake_url):
 
 @pytest.mark.servers
 def test_generate_job_steps_on_s3_and_mooncake(s3_env, s3_prefix, mooncake_url):
-    _steps_job_on_services(s3_env, s3_prefix, mooncake_url, "generate", num_rows=2, num_shards=1)
+    _steps_job_on_services(s3_env, s3_prefix, mooncake_url, "generate", num_rows=2, num_shards=1, retry_ar=True)
 
 
 @pytest.mark.servers
