@@ -134,7 +134,8 @@ def test_text_similarity_and_prefix() -> None:
 
 def test_latent_cosine_distance() -> None:
     x = torch.randn(4, 8, 8)
-    assert latent_cosine_distance(x, x.clone()) == pytest.approx(0.0, abs=1e-12)
+    assert latent_cosine_distance(x, x.clone()) == 0.0
+    assert latent_cosine_distance(x, 2 * x) == pytest.approx(0.0, abs=1e-12)
     assert latent_cosine_distance(x, -x) == pytest.approx(2.0)
     assert latent_cosine_distance(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])) == pytest.approx(1.0)
     assert math.isnan(latent_cosine_distance(x, x[:2]))

@@ -152,6 +152,8 @@ def latent_cosine_distance(a: Any, b: Any) -> float:
     y = np.asarray(_to_numpy(b), dtype=np.float64).ravel()
     if x.shape != y.shape or x.size == 0:
         return float("nan")
+    if np.array_equal(x, y):
+        return 0.0  # exactly, not 1 - (1 - eps)
     nx, ny = np.linalg.norm(x), np.linalg.norm(y)
     if nx == 0 or ny == 0:
         return 0.0 if nx == ny else 1.0
