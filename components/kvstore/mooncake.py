@@ -23,6 +23,7 @@ there is no per-request registration and no serialisation copy beyond encoding i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -404,14 +405,17 @@ class MooncakeStore(KVStore):
                     job.finish()
                 t1 = time.perf_counter()
                 rcs = self._wait(futs, deadline)
-        except _Timeout as e:
-            raise StoreError(f"put {key!r}: {e}") from None
+        except BaseException as e:
+            self._forget(ms, keys)  # parts that did land must not linger until expiry
+            if isinstance(e, _Timeout):
+                raise StoreError(f"put {key!r}: {e}") from None
+            raise
         finally:
             if job:  # never leave copies running into a buffer the next call reuses
                 futures_wait(job.futures)
         bad = [(i, rc) for i, rc in enumerate(rcs) if rc != 0]
         if bad:
-            ms.batch_remove(keys, True)
+            self._forget(ms, keys)
             raise StoreError(
                 f"put {key!r}: part {bad[0][0]} of {len(parts)} failed: {_explain(bad[0][1])}"
             )
@@ -424,6 +428,14 @@ class MooncakeStore(KVStore):
         self.last = {"encode_s": t1 - t0, "transfer_s": t2 - t1}
         return n
 
+    @staticmethod
+    def _forget(ms: Any, keys: list[str]) -> None:
+        """Best-effort removal of a failed put's parts (expire() catches what this misses)."""
+        if keys:
+            # the put's own error is the one to report
+            with contextlib.suppress(Exception):
+                ms.batch_remove(keys, True)
+
     def _put_header(self, ms: Any, key: str, head: bytes, part_keys: list[str]) -> int:
         """Header object last: once it is visible, the payload is complete."""
         hb = self._ensure("_hbuf", len(head))
@@ -433,8 +445,7 @@ class MooncakeStore(KVStore):
         except _Timeout as e:
             rc, err = None, str(e)
         if rc != 0:
-            if part_keys:
-                ms.batch_remove(part_keys, True)
+            self._forget(ms, part_keys)
             raise StoreError(
                 f"put {key!r}: header failed: {_explain(rc) if rc is not None else err}"
             )
