@@ -93,6 +93,7 @@ def test_put_get_roundtrip(store, run, dtype):
     assert ours(store, run) == []
 
 
+@pytest.mark.slow  # two fresh Python processes importing torch
 def test_producer_exits_then_another_process_gets_identical_bytes(store_url, run):
     """AR-like producer puts and exits; a DiT-like consumer process reads the same bytes."""
     key = f"{run}/3/7"
