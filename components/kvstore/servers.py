@@ -169,6 +169,7 @@ class MooncakeServers:
         self.start_timeout = start_timeout
         self.master_flags = master_flags
         self._procs: dict[str, subprocess.Popen] = {}
+        self._own_workdir = not workdir  # a temp dir we made: removed (logs included) on stop
 
     @property
     def url(self) -> str:
@@ -274,6 +275,8 @@ class MooncakeServers:
             except subprocess.TimeoutExpired:
                 pass
         self._procs.clear()
+        if self._own_workdir:
+            shutil.rmtree(self.state.workdir, ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self.start()
