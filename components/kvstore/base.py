@@ -11,13 +11,14 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlparse
-
-from typing_extensions import Self
 
 from components.engine.kvcache import PromptKV
 from components.kvstore.payload import PayloadError
+
+if TYPE_CHECKING:  # typing.Self needs Python 3.11
+    from typing_extensions import Self
 
 # Key parts: letters, digits, '.', '_', '-' (no '#': the mooncake backend uses it for part keys).
 _PART = re.compile(r"^[A-Za-z0-9._-]+$")

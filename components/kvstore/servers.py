@@ -169,7 +169,9 @@ class MooncakeServers:
         self.start_timeout = start_timeout
         self.master_flags = master_flags
         self._procs: dict[str, subprocess.Popen] = {}
-        self._own_workdir = not workdir  # a temp dir we made: removed (logs included) on stop
+        self._own_workdir = (
+            not workdir
+        )  # a temp dir we made: removed (logs included) on stop
 
     @property
     def url(self) -> str:
