@@ -137,7 +137,7 @@ class MooncakeConfig:
     # then one batch call). get: parts fetched in this many batch calls one after another,
     # decoding the first while the next is in flight (1: one batch call, then decode).
     put_streams: int = 4
-    get_groups: int = 1
+    get_groups: int = 4  # measured on the 16-core GPU host: 3.3 GB/s vs 2.5-2.9 for one batch call
     timeout: float = 60.0  # bound on one put/get transfer
     connect_timeout: float = 3.0
     pin: str = "hard"  # hard | soft | none
