@@ -203,15 +203,20 @@ class SequenceBuilder:
             slots.append(ImageSlot(t_idx, t_idx + 1, im.latent_h, im.latent_w, vit_start, im.vit_len, im.vit_grid))
         return ids, slots
 
+    def _through_assistant(self, system_prompt: str, images: list[CondImage], user_text: str):
+        """Ids up to and including `Assistant: `, the image slots, and where the user text lies."""
+        ids, slots = self._prefix(system_prompt, images)
+        user_start = len(ids)
+        user = self.tok.encode(user_text)
+        ids += user + self.tok.encode("\n\n") + self.tok.encode("Assistant: ")
+        return ids, slots, range(user_start, user_start + len(user))
+
     def ar_prompt(self, user_text: str, images: list[CondImage], bot_task: str, system_prompt: str) -> Sequence:
         """The AR prompt: everything up to `Assistant: ` plus the stage trigger."""
         if bot_task not in BOT_TASKS:
             raise ValueError(f"unknown bot_task {bot_task!r}; choose one of {BOT_TASKS}")
         tok = self.tok
-        ids, slots = self._prefix(system_prompt, images)
-        user_start = len(ids)
-        user = tok.encode(user_text)
-        ids += user + tok.encode("\n\n") + tok.encode("Assistant: ")
+        ids, slots, user_span = self._through_assistant(system_prompt, images, user_text)
         assistant_start = len(ids)
         if bot_task in ("think", "think_recaption"):
             ids += [tok.think]
@@ -219,7 +224,7 @@ class SequenceBuilder:
             ids += [tok.recaption]
         else:
             ids += [tok.answer, tok.boi, tok.size_id(self.base_size)]
-        uncond = ids[:user_start] + [tok.cfg] * len(user) + ids[user_start + len(user):]
+        uncond = [tok.cfg if i in user_span else t for i, t in enumerate(ids)]
         return Sequence(ids, uncond, slots, None, neg_reuse_len=first_difference(ids, uncond),
                         assistant_start=assistant_start)
 
@@ -229,10 +234,7 @@ class SequenceBuilder:
         AR fed them (trigger, CoT, end tags, `<answer><boi><img_size>`; the ratio token may be
         included or not: it is appended when absent)."""
         tok = self.tok
-        ids, slots = self._prefix(system_prompt, images)
-        user_start = len(ids)
-        user = tok.encode(user_text)
-        ids += user + tok.encode("\n\n") + tok.encode("Assistant: ")
+        ids, slots, user_span = self._through_assistant(system_prompt, images, user_text)
         assistant_start = len(ids)
         assistant = list(assistant_ids)
         answer_prefix = [tok.answer, tok.boi, tok.size_id(self.base_size)]
@@ -250,7 +252,7 @@ class SequenceBuilder:
         # Unconditional row: user text and CoT inner text -> <cfg>, token for token.
         keep = {tok.think, tok.think_end, tok.recaption, tok.recaption_end, *answer_prefix}
         uncond = list(ids)
-        for i in range(user_start, user_start + len(user)):
+        for i in user_span:
             uncond[i] = tok.cfg
         for i in range(assistant_start, assistant_start + len(assistant)):
             if uncond[i] not in keep:
