@@ -84,7 +84,7 @@ def _denoise_row(engine, store, writer, layout, job, ar_row, key, AROutput, DiTR
         prompt_tokens=ar_row["prompt_tokens"], generated_tokens=ar_row["generated_tokens"],
         kv_bytes=ar_row.get("kv_bytes"), kv_put_s=ar_row.get("kv_put_s"), kv_get_s=get_s,
         dit_step_s_mean=sum(t["dit_step_s"]) / max(len(t["dit_step_s"]), 1),
-        dit_total_s=t["dit_total_s"] - t["vae_decode_s"], vae_decode_s=t["vae_decode_s"],
+        dit_total_s=t["dit_total_s"], vae_decode_s=t["vae_decode_s"],
         dit_prefix_s=t["dit_prefix_s"], generated_ids=json.dumps(ar.generated_ids),
         ratio_index=ar.ratio_index)
     if save_latents:

@@ -94,9 +94,9 @@ class DiTGenerator:
         timings["dit_step_s"] = step_times
 
         t1 = time.perf_counter()
+        timings["dit_total_s"] = t1 - t0  # prefix + denoising; the VAE decode is timed apart
         image = self.decode(latents)
         timings["vae_decode_s"] = time.perf_counter() - t1
-        timings["dit_total_s"] = time.perf_counter() - t0
         return DiTOutput(ar.id, image, latents.float().cpu(), kv_path, reason, timings)
 
     # -- prefix K/V -------------------------------------------------------------------------------
