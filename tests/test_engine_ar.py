@@ -212,13 +212,11 @@ def edit_dit(engine, edit_out):
     return engine.dit(DiTRequest(edit_out, [IMG], edit_out.prompt_kv, steps=4, guidance_scale=5.0, seed=5))
 
 
-def test_same_seed_is_bitwise_identical(engine, edit_out, edit_dit, runs):
+def test_same_seed_is_bitwise_identical(engine, edit_out, edit_dit):
     again = engine.dit(DiTRequest(edit_out, [IMG], edit_out.prompt_kv, steps=4, guidance_scale=5.0, seed=5))
     assert torch.equal(edit_dit.latents, again.latents)
     assert np.array_equal(np.asarray(edit_dit.image), np.asarray(again.image))
-    # sampled AR with the same seeds twice: same tokens
-    assert [o.generated_ids for o in engine.generate_ar(_requests(), SAMPLED)] == \
-        [o.generated_ids for o in runs["sampled"][0]]
+    # (sampled AR with the same seeds twice gives the same tokens: the batched-vs-single test above)
 
 
 def test_different_seed_changes_the_latents(engine, edit_out, edit_dit, monkeypatch):
