@@ -254,3 +254,46 @@ def test_resolution_group_tiny_base():
     assert sizes[16] == (256, 256) and sizes[0] == (512, 128) and sizes[32] == (128, 512)
     assert all(w % 16 == 0 and h % 16 == 0 for w, h in sizes)
     assert sizes[33:] == [(256, 192), (320, 176), (192, 256), (176, 320)]
+
+
+# --------------------------------------------------------------------------- tokenizer + PromptKV contract
+def test_tiny_tokenizer_special_tokens(tok):
+    from components.engine.config import tiny_config
+    from components.engine.tokenizer import SPECIAL_TOKENS
+
+    ids = [tok.token_id(t) for t in SPECIAL_TOKENS]
+    assert len(set(ids)) == len(SPECIAL_TOKENS) == 17 + 3 + 37
+    assert len(tok.ratio_ids) == 37 and tok.ratio_ids == [tok.token_id(f"<img_ratio_{i}>") for i in range(37)]
+    assert tok.special_ids == set(ids)
+    assert tok.vocab_size <= tiny_config().vocab_size
+    # special tokens survive a decode/encode round trip as single ids; text does not contain them
+    assert tok.encode("<think>") == [tok.think] and tok.encode("</recaption>") == [tok.recaption_end]
+    assert not set(tok.encode(SYSTEM_PROMPTS["en_unified"])) & tok.special_ids
+    assert tok.decode(tok.encode("a red cat on a boat")) == "a red cat on a boat"
+    with pytest.raises(KeyError):
+        tok.token_id("<no_such_token>")
+
+
+def test_prompt_kv_validate():
+    import torch
+
+    from components.engine import PromptKV
+
+    def kv(n_tokens=5, pos=5, neg=3, layers=2, rows=5):
+        return PromptKV([torch.zeros(rows, 2, 16)] * layers, [torch.zeros(rows, 2, 16)] * layers,
+                        list(range(n_tokens)), pos, neg)
+
+    good = kv()
+    good.validate()
+    assert good.num_layers == 2 and good.dtype == torch.float32
+    assert good.nbytes() == 2 * 2 * 5 * 2 * 16 * 4
+    with pytest.raises(ValueError, match="pos_reuse_len 4 != number of token ids 5"):
+        kv(pos=4).validate()
+    with pytest.raises(ValueError, match="neg_reuse_len 0"):
+        kv(neg=0).validate()
+    with pytest.raises(ValueError, match="neg_reuse_len 6"):
+        kv(neg=6).validate()
+    with pytest.raises(ValueError, match="layer 0"):
+        kv(rows=4).validate()
+    with pytest.raises(ValueError, match="non-empty"):
+        kv(layers=0).validate()
