@@ -98,8 +98,14 @@ def test_mixed_bot_tasks_in_one_batch(engine):
             ARRequest("tr", "a red dog", [], bot_task="think_recaption"),
             ARRequest("th", "a blue boat on the sea", [], bot_task="think")]
     batched = engine.generate_ar(reqs, GREEDY)
+    lengths = [len(b.generated_ids) for b in batched]
+    assert lengths[0] == 1 and len(set(lengths)) == 3  # rows finish at different steps
     for b, r in zip(batched, reqs):
-        assert b.generated_ids == engine.generate_ar([r], GREEDY)[0].generated_ids
+        s = engine.generate_ar([r], GREEDY)[0]
+        assert b.generated_ids == s.generated_ids
+        assert b.prompt_kv.token_ids == s.prompt_kv.token_ids
+        for x, y in zip(b.prompt_kv.keys + b.prompt_kv.values, s.prompt_kv.keys + s.prompt_kv.values):
+            assert (x - y).abs().max().item() <= 1e-5
 
 
 # --------------------------------------------------------------------------- stage transitions
