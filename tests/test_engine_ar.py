@@ -274,9 +274,6 @@ class _DeepcopyProbe:
         return self
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: AROutput.to_record calls dataclasses.asdict(self), which deep-copies "
-                                       "prompt_kv (every K/V tensor, ~400 MB per row at full size, on the GPU) "
-                                       "only to drop it")
 def test_to_record_does_not_copy_the_kv():
     from components.engine import PromptKV
     from components.engine.sequence import CondImage
@@ -287,3 +284,11 @@ def test_to_record_does_not_copy_the_kv():
     rec = out.to_record()
     assert "prompt_kv" not in rec and rec["cond_images"][0]["vit_grid"] == (2, 2)
     assert _DeepcopyProbe.copies == 0
+
+
+def test_special_token_strings_in_a_prompt_stay_text(engine):
+    """A user cannot inject control tokens: "<cfg>" / "</think>" in a prompt are plain text."""
+    tok = engine.tokenizer
+    ids = tok.encode("make <cfg> the </think> sky <img>")
+    assert not {tok.cfg, tok.think_end, tok.img} & set(ids)
+    assert tok.decode(ids) == "make <cfg> the </think> sky <img>"

@@ -266,8 +266,9 @@ def test_tiny_tokenizer_special_tokens(tok):
     assert len(tok.ratio_ids) == 37 and tok.ratio_ids == [tok.token_id(f"<img_ratio_{i}>") for i in range(37)]
     assert tok.special_ids == set(ids)
     assert tok.vocab_size <= tiny_config().vocab_size
-    # special tokens survive a decode/encode round trip as single ids; text does not contain them
-    assert tok.encode("<think>") == [tok.think] and tok.encode("</recaption>") == [tok.recaption_end]
+    # special-token strings in text stay text (no control-token injection); ids decode back to them
+    assert not set(tok.encode("<think> </recaption>")) & tok.special_ids
+    assert tok.decode([tok.think, tok.recaption_end]) == "<think></recaption>"
     assert not set(tok.encode(SYSTEM_PROMPTS["en_unified"])) & tok.special_ids
     assert tok.decode(tok.encode("a red cat on a boat")) == "a red cat on a boat"
     with pytest.raises(KeyError):

@@ -14,9 +14,10 @@ lengths are left-padded; padding keys are masked, so a row's tokens do not depen
 
 from __future__ import annotations
 
+import copy
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from PIL import Image
@@ -65,7 +66,9 @@ class AROutput:
 
     def to_record(self) -> dict:
         """JSON-able dict (no tensors) for ar.parquet; the KV travels through the KV store."""
-        rec = {k: v for k, v in asdict(self).items() if k not in ("prompt_kv", "cond_images")}
+        # not asdict(self): it would deep-copy every K/V tensor only to drop them
+        rec = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+               if f.name not in ("prompt_kv", "cond_images")}
         rec["cond_images"] = [asdict(c) for c in self.cond_images]
         rec["image_size"] = list(self.image_size)
         return rec

@@ -29,10 +29,9 @@ SYSTEM_PROMPTS = {
     "en_vanilla": "You are an advanced AI text-to-image generation system. Given a detailed text prompt, "
                   "generate a high-quality image that matches it.",
     "en_recaption": "You are an image generation assistant. First rewrite the user's request as a detailed "
-                    "image description inside <recaption></recaption>, then generate the image.",
-    "en_think_recaption": "You are an image generation assistant. Think about the user's request inside "
-                          "<think></think>, rewrite it as a detailed description inside "
-                          "<recaption></recaption>, then generate the image.",
+                    "image description, then generate the image.",
+    "en_think_recaption": "You are an image generation assistant. Think about the user's request, rewrite it "
+                          "as a detailed description, then generate the image.",
     "en_unified": "You are a helpful multimodal assistant that creates and edits images. Think about the "
                   "request, describe the target image in detail, then generate it.",
 }

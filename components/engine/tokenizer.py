@@ -39,11 +39,16 @@ class Tokenizer:
 
     # -- encoding -----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        """Encode one text segment; no BOS/EOS added."""
+        """Encode one text segment as plain text; no BOS/EOS added.
+
+        Special-token strings inside the text ("<cfg>", "</think>", ...) stay text: a prompt must
+        not be able to inject control tokens into the sequence.
+        """
         if not text:
             return []
         if self._is_hf_fast:
-            return list(self._backend.encode(text, add_special_tokens=False))
+            return list(self._backend.encode(text, add_special_tokens=False, split_special_tokens=True))
+        self._backend.encode_special_tokens = True
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
