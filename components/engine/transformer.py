@@ -230,19 +230,20 @@ def _swiglu(h: torch.Tensor) -> torch.Tensor:
 def moe_loop(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
     """Reference path: one GEMM pair per expert over the tokens routed to it."""
     n, k = experts.shape
-    per_slot = torch.zeros(n, k, x.shape[1], dtype=torch.float32, device=x.device)
+    per_slot = torch.zeros(n, k, x.shape[1], dtype=x.dtype, device=x.device)
     for e in range(w_gate_up.shape[0]):
         token, slot = (experts == e).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        per_slot[token, slot] = (_swiglu(x[token] @ w_gate_up[e].T) @ w_down[e].T).float()
-    return _combine(per_slot, weights).to(x.dtype)
+        per_slot[token, slot] = _swiglu(x[token] @ w_gate_up[e].T) @ w_down[e].T
+    return _combine(per_slot, weights)
 
 
 def _combine(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum over each token's k expert outputs [N, k, H], in a fixed order: no atomics,
-    so results are bitwise reproducible on GPUs (index_add_ is not)."""
-    return (per_slot * weights.unsqueeze(-1)).sum(dim=1)
+    """Weighted sum over each token's k expert outputs [N, k, H] as one batched matmul in the model
+    dtype (fp32 accumulation): no atomics, so results are bitwise reproducible on GPUs
+    (index_add_ is not), and no fp32 copy of the N*k*H outputs."""
+    return torch.bmm(weights.unsqueeze(1).to(per_slot.dtype), per_slot).squeeze(1)
 
 
 def moe_grouped(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
@@ -256,9 +257,9 @@ def moe_grouped(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
     xs = x[token]
     h = _swiglu(torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs))
     y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
-    per_slot = torch.empty(y.shape, dtype=torch.float32, device=x.device)
-    per_slot[order] = y.float()  # back to (token, slot) order
-    return _combine(per_slot.view(*experts.shape, -1), weights).to(x.dtype)
+    per_slot = torch.empty_like(y)
+    per_slot[order] = y  # back to (token, slot) order
+    return _combine(per_slot.view(*experts.shape, -1), weights)
 
 
 class DecoderLayer(nn.Module):
