@@ -97,7 +97,8 @@ class RunRow:
 
 
 def _num(v: Any) -> float | None:
-    if v is None:
+    """A finite-or-inf float, or None for missing / NaN / non-numbers (bools are not numbers here)."""
+    if v is None or isinstance(v, bool):
         return None
     try:
         f = float(v)

@@ -17,8 +17,14 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from components.evaluate.gates import Thresholds, fmt_db, row_violations
-from components.evaluate.metrics import OK, SIZE_MISMATCH, ImageMismatchError, abs_diff_map, percentile_key
-from components.evaluate.runio import load_run_rows, storage_name
+from components.evaluate.metrics import (
+    OK,
+    SIZE_MISMATCH,
+    ImageMismatchError,
+    abs_diff_map,
+    percentile_key,
+)
+from components.evaluate.runio import _num, load_run_rows, storage_name
 from components.report import plots
 from components.report.template import TEMPLATE
 
@@ -37,16 +43,6 @@ def _read(path: Path) -> list[dict[str, Any]]:
         return []
     table = pq.read_table(path)
     return table.to_pylist() if table.num_columns else []
-
-
-def _num(v: Any) -> float | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(f) else f
 
 
 def _f(v: Any, digits: int = 4) -> str:

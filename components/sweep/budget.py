@@ -24,6 +24,12 @@ MEASURES = {
 }
 
 
+# The per-config statistics a precision-budget entry carries.
+_BUDGET_STATS = ("rows_compared", "bitwise_rows", "psnr_mean", "psnr_min", "ssim_mean", "mean_abs_mean",
+                 "p99_abs_max", "max_abs", "cot_similarity_mean", "tokens_identical_rows", "token_rows",
+                 "first_divergence_median", "latent_cos_dist_mean")
+
+
 def _kv_paths(rows: list[dict[str, Any]]) -> str:
     counts = Counter(str(r.get("kv_path")) for r in rows if r.get("kv_path"))
     return ", ".join(f"{k} {v}/{len(rows)}" for k, v in sorted(counts.items())) or "not recorded"
@@ -68,23 +74,7 @@ def compute_budget(
                     notes.insert(0, "AR re-run, token identity not recorded (no generated_ids)")
         stats = summarize(used) if used else summarize([])
         ok = [r for r in used if r.get("eval_status") == OK]
-        entry.update(
-            rows=len(rows),
-            rows_used=len(used),
-            rows_compared=stats["rows_compared"],
-            bitwise_rows=stats["bitwise_rows"],
-            psnr_mean=stats["psnr_mean"],
-            psnr_min=stats["psnr_min"],
-            ssim_mean=stats["ssim_mean"],
-            mean_abs_mean=stats["mean_abs_mean"],
-            p99_abs_max=stats["p99_abs_max"],
-            max_abs=stats["max_abs"],
-            cot_similarity_mean=stats["cot_similarity_mean"],
-            tokens_identical_rows=stats["tokens_identical_rows"],
-            token_rows=stats["token_rows"],
-            first_divergence_median=stats["first_divergence_median"],
-            latent_cos_dist_mean=stats["latent_cos_dist_mean"],
-        )
+        entry.update(rows=len(rows), rows_used=len(used), **{k: stats[k] for k in _BUDGET_STATS})
         resized = sum(1 for r in used if r.get("eval_status") == SIZE_MISMATCH)
         failed = len(used) - len(ok) - resized
         if resized:
