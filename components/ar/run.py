@@ -36,10 +36,6 @@ AR_SCHEMA = pa.schema([
 ])
 
 
-def ar_key(layout: RunLayout, shard: int) -> str:
-    return layout.ar_key(shard)
-
-
 def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: str | None = None,
         kv_store: str | None = None, batch_size: int = 8, bot_task: str = "think_recaption",
         system_prompt: str = "en_unified", max_new_tokens: int = 48, temperature: float = 0.0,

@@ -15,7 +15,9 @@ import json
 import time
 from typing import Any
 
+from components.ar.run import read_ar_rows
 from components.data.runs import RunLayout, row_key
+from components.engine import AROutput, DiTRequest
 from components.steps import default_kv_store, kv_key, load_engine
 
 
@@ -23,8 +25,6 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kv_store: str | None = None, steps: int = 20, guidance: float = 5.0, flow_shift: float = 3.0,
         seed: int = 0, kv_reuse: bool = True, save_latents: bool = False, device: str = "cpu",
         dtype: str | None = None, progress: Any = None) -> dict[str, Any]:
-    from components.ar.run import read_ar_rows
-    from components.engine import AROutput, DiTRequest
     from components.kvstore import open_store
 
     layout = RunLayout.open(output, run_id)
@@ -44,8 +44,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             writer.record_error(job.id, error)
             store.delete(key)
         else:
-            _denoise_row(engine, store, writer, layout, job, ar_row, key, AROutput, DiTRequest,
-                         steps=steps, guidance=guidance, flow_shift=flow_shift, seed=seed,
+            _denoise_row(engine, store, writer, layout, job, ar_row, key, steps=steps, guidance=guidance, flow_shift=flow_shift, seed=seed,
                          kv_reuse=kv_reuse, save_latents=save_latents, shard=shard)
         if progress:
             progress.advance(task)
@@ -55,8 +54,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     return {"shard": shard, **marker}
 
 
-def _denoise_row(engine, store, writer, layout, job, ar_row, key, AROutput, DiTRequest, *, steps, guidance,
-                 flow_shift, seed, kv_reuse, save_latents, shard) -> None:
+def _denoise_row(engine, store, writer, layout, job, ar_row, key, *, steps, guidance, flow_shift, seed, kv_reuse,
+                 save_latents, shard) -> None:
     ar = AROutput.from_record(json.loads(ar_row["ar_record"]))
     kv, absent_reason, get_s = None, "", None
     if not kv_reuse:
@@ -67,7 +66,7 @@ def _denoise_row(engine, store, writer, layout, job, ar_row, key, AROutput, DiTR
         absent_reason = "AR exported no KV (no reuse boundary)"
     else:
         t0 = time.perf_counter()
-        got = store.get(key, expect_model_id=engine.model_id, expect_config_hash=engine.config.config_hash(),
+        got = store.get(key, expect_model_id=engine.model_id, expect_config_hash=engine.config_hash,
                         device=str(engine.model.device))
         get_s = time.perf_counter() - t0
         kv, absent_reason = got.kv, ("" if got.ok else f"KV {got.reason}")

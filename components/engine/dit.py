@@ -85,10 +85,11 @@ class DiTGenerator:
         latents = torch.randn(1, latent_channels, gen.h, gen.w, generator=noise_gen).to(self.model.device)
         scheduler = FlowMatchEulerDiscreteScheduler(shift=req.flow_shift)
         scheduler.set_timesteps(req.steps, device=self.model.device)
+        step = self.step_inputs(seq, cache.k[0].shape[0])
         step_times = []
         for t in scheduler.timesteps:
             ts = time.perf_counter()
-            velocity = self.predict(cache, seq, latents, t.reshape(1).float(), req.guidance_scale)
+            velocity = self.predict(cache, seq, latents, t.reshape(1).float(), req.guidance_scale, step)
             latents = scheduler.step(velocity, t, latents).prev_sample
             step_times.append(time.perf_counter() - ts)
         timings["dit_step_s"] = step_times
@@ -181,20 +182,23 @@ class DiTGenerator:
         return seq.gen_image.timestep_index + 1 + seq.gen_image.h * seq.gen_image.w
 
     # -- denoising --------------------------------------------------------------------------------
+    def step_inputs(self, seq: Sequence, batch: int) -> tuple[torch.Tensor, HeadMask]:
+        """RoPE positions and mask of `<timestep>` + image tokens: the same at every step, built once."""
+        device, start, end = self.model.device, seq.gen_image.timestep_index, seq.gen_image.end
+        positions = seq.positions()[start:end].expand(batch, -1, -1).to(device)
+        # <timestep> sees the prefix and itself; the image block (last in the sequence) sees all.
+        timestep_row = torch.arange(end) <= start
+        return positions, HeadMask(timestep_row.view(1, 1, 1, end).expand(batch, 1, 1, end).to(device), rows=1)
+
     def predict(self, cache: KVCache, seq: Sequence, latents: torch.Tensor, t: torch.Tensor,
-                guidance: float) -> torch.Tensor:
+                guidance: float, step: tuple[torch.Tensor, HeadMask] | None = None) -> torch.Tensor:
         """Velocity for `latents` at time t: `<timestep>` + image tokens over the cached prefix."""
         model, gen = self.model, seq.gen_image
         batch = cache.k[0].shape[0]
+        positions, mask = step or self.step_inputs(seq, batch)
         t = t.to(model.device)
         x = torch.cat([model.timestep_tokens(t), model.image_tokens(latents, t)[0]]).unsqueeze(0)
-        x = x.expand(batch, -1, -1)
-        start, end = gen.timestep_index, gen.end
-        positions = seq.positions()[start:end].expand(batch, -1, -1)
-        # <timestep> sees the prefix and itself; the image block (last in the sequence) sees all.
-        timestep_row = torch.arange(end) <= start
-        mask = HeadMask(timestep_row.view(1, 1, 1, end).expand(batch, 1, 1, end).to(model.device), rows=1)
-        hidden = model.forward_layers(x, positions.to(model.device), mask, cache)
+        hidden = model.forward_layers(x.expand(batch, -1, -1), positions, mask, cache)
         out = model.image_output(hidden[:, 1:], t.expand(batch), gen.h, gen.w).float()
         if batch == 1:
             return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -66,21 +67,24 @@ class Engine:
         net.model.layers.apply(_keep_router_fp32)
         return cls(config, net, tokenizer, SequenceBuilder(tokenizer, config.image_base_size), model_id)
 
-    @property
+    @cached_property
     def ar(self) -> ARGenerator:
         return ARGenerator(self.model, self.tokenizer, self.builder, self.model_id)
 
-    @property
+    @cached_property
     def dit(self) -> DiTGenerator:
         return DiTGenerator(self.model, self.builder)
+
+    @cached_property
+    def config_hash(self) -> str:
+        return self.config.config_hash()
 
     def generate_ar(self, requests: list[ARRequest], sampling: SamplingParams | None = None,
                     export_kv: bool = True) -> list[AROutput]:
         return self.ar(requests, sampling, export_kv)
 
     def generate_dit(self, requests: list[DiTRequest]) -> list[DiTOutput]:
-        dit = self.dit
-        return [dit(r) for r in requests]
+        return [self.dit(r) for r in requests]
 
 
 def _keep_router_fp32(module: torch.nn.Module) -> None:
