@@ -85,30 +85,16 @@ def test_cli_up_status_down_from_another_process(tmp_path):
     require_loopback_only()
     state = tmp_path / "state"
     ports = [free_port() for _ in range(4)]
-    cli = [sys.executable, "-c", "from components.kvstore.cli import app; app()"]
-    up = subprocess.run(
-        [
-            *cli,
-            "up",
-            "--state-dir",
-            str(state),
-            "--segment",
-            "64MB",
-            "--master-port",
-            str(ports[0]),
-            "--metadata-port",
-            str(ports[1]),
-            "--admin-port",
-            str(ports[2]),
-            "--holder-port",
-            str(ports[3]),
-        ],
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    def cli(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+        """`ardit store ARGS --state-dir STATE` in a separate process."""
+        return subprocess.run(
+            [sys.executable, "-c", "from components.kvstore.cli import app; app()", *args, "--state-dir", str(state)],
+            cwd=ROOT, check=False, capture_output=True, text=True, timeout=timeout,
+        )
+
+    ports_args = ["--master-port", str(ports[0]), "--metadata-port", str(ports[1]),
+                  "--admin-port", str(ports[2]), "--holder-port", str(ports[3])]
+    up = cli("up", "--segment", "64MB", *ports_args, timeout=120)
     pids = {}
     try:
         assert up.returncode == 0, up.stderr[-3000:]
@@ -118,54 +104,25 @@ def test_cli_up_status_down_from_another_process(tmp_path):
         assert set(pids) == {"master", "metadata", "holder"} and all(
             _alive(p) for p in pids.values()
         )
-        st = subprocess.run(
-            [*cli, "status", "--state-dir", str(state)],
-            cwd=ROOT,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        st = cli("status")
         assert st.returncode == 0 and json.loads(st.stdout)["running"], st.stdout
         with open_store(url) as s:  # the servers work
             s.put("cli/0/0", make_kv())
             assert s.get("cli/0/0").ok
             assert s.delete_prefix("cli") == 1
-        again = subprocess.run(
-            [*cli, "up", "--state-dir", str(state)],
-            cwd=ROOT,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        again = cli("up")
         assert again.returncode != 0 and "already running" in (
             again.stderr + again.stdout
         )
     finally:
-        down = subprocess.run(
-            [*cli, "down", "--state-dir", str(state)],
-            cwd=ROOT,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        down = cli("down")
         for p in pids.values():  # never leave a server behind, even if `down` is broken
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
     assert down.returncode == 0 and "stopped" in down.stdout, down.stdout + down.stderr
     assert pids and not any(_alive(p) for p in pids.values())
     assert not (state / "servers.json").exists()
-    st = subprocess.run(
-        [*cli, "status", "--state-dir", str(state)],
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert st.returncode == 1
+    assert cli("status").returncode == 1
 
 
 def test_dead_servers_give_unreachable_at_once(small_servers):
