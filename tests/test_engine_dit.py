@@ -136,4 +136,4 @@ def test_denoise_step_fast_mask_equals_block_mask(engine, edit_out):
         wrong = _reference_predict(engine, cache, seq, latents, t, 5.0, timestep_sees_image=True)
     scale = ref.abs().max().item()
     assert (fast - ref).abs().max().item() <= 1e-5 * max(1.0, scale)
-    assert (wrong - ref).abs().max().item() > 1e-3 * scale  # the mask matters: the comparison can fail
+    assert (wrong - ref).abs().max().item() > 1e-4 * scale  # the mask matters: 10x above the tolerance

@@ -60,19 +60,20 @@ def test_vae_shapes_roundtrip(vae, tiny, height, width):
 
 def test_vae_encode_deterministic_and_per_sample(vae):
     x = torch.rand(2, 3, 64, 64) * 2 - 1
-    z1, z2 = vae.encode(x), vae.encode(x)
+    z1, z2 = vae.encode(x, sample_posterior=False), vae.encode(x, sample_posterior=False)
     torch.testing.assert_close(z1, z2, rtol=0, atol=0)
     # batching does not mix samples
-    torch.testing.assert_close(vae.encode(x[1:]), z1[1:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(vae.encode(x[1:], sample_posterior=False), z1[1:], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(z1[0], z1[1])
 
 
 def test_vae_posterior_sampling(vae):
+    """The official `vae_encode` draws `latent_dist.sample(generator)`: encode samples by default."""
     x = torch.rand(1, 3, 32, 32) * 2 - 1
-    mean = vae.encode(x)
-    a = vae.encode(x, sample_posterior=True, generator=torch.Generator().manual_seed(1))
-    b = vae.encode(x, sample_posterior=True, generator=torch.Generator().manual_seed(1))
-    c = vae.encode(x, sample_posterior=True, generator=torch.Generator().manual_seed(2))
+    mean = vae.encode(x, sample_posterior=False)
+    a = vae.encode(x, generator=torch.Generator().manual_seed(1))
+    b = vae.encode(x, generator=torch.Generator().manual_seed(1))
+    c = vae.encode(x, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(a, c) and not torch.equal(a, mean)
     # the spread comes from the encoder's log-variance half: samples centre on the mean
@@ -87,7 +88,7 @@ def test_vae_scaling_and_shift_are_applied(tiny):
     scaled = build_vae(scaled_cfg).eval()
     scaled.load_state_dict(base.state_dict())
     x = torch.rand(1, 3, 32, 32) * 2 - 1
-    torch.testing.assert_close(scaled.encode(x), (base.encode(x) - 0.25) * 0.5)
+    torch.testing.assert_close(scaled.encode(x, sample_posterior=False), (base.encode(x, sample_posterior=False) - 0.25) * 0.5)
     z = torch.randn(1, tiny.vae.latent_channels, 2, 2)
     # decode inverts the scaling before the decoder
     torch.testing.assert_close(scaled.decode((z - 0.25) * 0.5), base.decode(z), rtol=1e-4, atol=1e-4)

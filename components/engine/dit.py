@@ -3,10 +3,16 @@
     prefix K/V  = recompute: the whole prefix [cond; uncond] in one forward (denoise step 1)
                   reuse:     AR K/V[:pos] + prefill of the cond row's rest, and
                              AR K/V[:neg] + prefill of the uncond row from its first <cfg>
-    for t in timesteps:      only <timestep> + image tokens are computed, over the cached prefix
-        v = uncond + g * (cond - uncond)
+    latents = bf16 noise from the request's generator (official `prepare_latents`)
+    for t in timesteps:      only <timestep> (+ <guidance>, <timestep_r>) + image tokens are
+                             computed, over the cached prefix
+        v = uncond + g * (cond - uncond)        (optionally rescaled; Distil: one row, g as a token)
         latents = scheduler.step(v, t, latents)
     image = vae.decode(latents)
+
+The schedule is the official one (`FlowMatchDiscreteScheduler(shift, reverse=True)`): N + 1 sigmas
+linearly from 1 to 0, shifted by s*sigma / (1 + (s - 1) * sigma), timesteps = sigma[:-1] * 1000;
+diffusers' FlowMatchEulerDiscreteScheduler runs it given those sigmas explicitly.
 
 Both CFG rows have exactly the prefix length, so there are no padded slots and no masks over
 fake tokens; conditioning images live inside the reused prefix. Tokens after the image
@@ -35,9 +41,10 @@ class DiTRequest:
     images: list[Image.Image] = field(default_factory=list)  # the same conditioning images the AR saw
     prompt_kv: PromptKV | None = None
     absent_reason: str = ""  # why prompt_kv is None, when the KV store had none
-    steps: int = 20
-    guidance_scale: float = 5.0
-    flow_shift: float = 3.0
+    steps: int | None = None  # None: the model's generation config (diff_infer_steps)
+    guidance_scale: float | None = None  # None: diff_guidance_scale
+    flow_shift: float | None = None  # None: flow_shift
+    guidance_rescale: float = 0.0  # official pipeline default
     seed: int | None = None
 
 
@@ -51,20 +58,60 @@ class DiTOutput:
     timings: dict = field(default_factory=dict)
 
 
+# When a model has no generation config (should not happen for checkpoints): the released values.
+FALLBACK_STEPS, FALLBACK_GUIDANCE, FALLBACK_SHIFT = 50, 5.0, 3.0
+
+
+def official_scheduler(steps: int, shift: float, device: torch.device | str = "cpu"):
+    """diffusers' FlowMatchEulerDiscreteScheduler on the official schedule: sigmas
+    linspace(1, 0, steps + 1) shifted by `shift` (diffusers applies the shift and appends the 0)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    sigmas = torch.linspace(1, 0, steps + 1)[:-1]
+    scheduler.set_timesteps(sigmas=sigmas.tolist(), device=device)
+    return scheduler
+
+
+def rescale_noise_cfg(pred: torch.Tensor, pred_cond: torch.Tensor, guidance_rescale: float) -> torch.Tensor:
+    """CFG rescale (Lin et al. 2023, sec. 3.4), as the official pipeline applies it."""
+    dims = list(range(1, pred.ndim))
+    rescaled = pred * (pred_cond.std(dim=dims, keepdim=True) / pred.std(dim=dims, keepdim=True))
+    return guidance_rescale * rescaled + (1 - guidance_rescale) * pred
+
+
 class DiTGenerator:
-    def __init__(self, model: HunyuanImage3ForCausalMM, builder: SequenceBuilder) -> None:
+    def __init__(self, model: HunyuanImage3ForCausalMM, builder: SequenceBuilder, generation_config=None) -> None:
         self.model, self.builder = model, builder
+        self.generation_config = generation_config
         self.config_hash = model.config.config_hash()
+
+    def settings(self, req: DiTRequest) -> tuple[int, float, float]:
+        """(steps, guidance, flow_shift): the request's, else the generation config's."""
+        gc = self.generation_config
+        steps = req.steps if req.steps is not None else getattr(gc, "diff_infer_steps", FALLBACK_STEPS)
+        guidance = (req.guidance_scale if req.guidance_scale is not None
+                    else getattr(gc, "diff_guidance_scale", FALLBACK_GUIDANCE))
+        shift = req.flow_shift if req.flow_shift is not None else getattr(gc, "flow_shift", FALLBACK_SHIFT)
+        return int(steps), float(guidance), float(shift)
 
     @torch.no_grad()
     def __call__(self, req: DiTRequest) -> DiTOutput:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
         ar = req.ar
         seq = self.builder.dit_sequence(ar.user_text, ar.cond_images, ar.assistant_ids, ar.system_prompt,
                                         ar.ratio_index)
-        cfg_on = req.guidance_scale > 1.0
-        timings: dict = {}
+        steps, guidance, shift = self.settings(req)
+        distilled = self.model.config.cfg_distilled
+        cfg_on = guidance > 1.0 and not distilled  # Distil takes the scale as a token, one row
+        timings: dict = {"dit_steps": steps}
+        with self.model.autocast():
+            return self._denoise(req, seq, steps, guidance, shift, cfg_on, timings)
+
+    def _denoise(self, req: DiTRequest, seq: Sequence, steps: int, guidance: float, shift: float, cfg_on: bool,
+                 timings: dict) -> DiTOutput:
+        ar = req.ar
 
         t0 = time.perf_counter()
         kv_path, reason, cache = "recompute", req.absent_reason or "no KV given", None
@@ -79,17 +126,16 @@ class DiTGenerator:
             cache = self.prefix_from_scratch(seq, req.images, cfg_on)
         timings["dit_prefix_s"] = time.perf_counter() - t0
 
-        gen = seq.gen_image
-        latent_channels = self.model.config.vae.latent_channels
-        noise_gen = torch.Generator().manual_seed(request_seed(req.seed, ar.id))
-        latents = torch.randn(1, latent_channels, gen.h, gen.w, generator=noise_gen).to(self.model.device)
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=req.flow_shift)
-        scheduler.set_timesteps(req.steps, device=self.model.device)
+        latents = self.initial_noise(seq, request_seed(req.seed, ar.id))
+        scheduler = official_scheduler(steps, shift, self.model.device)
         step = self.step_inputs(seq, cache.k[0].shape[0])
+        meanflow = self.model.config.use_meanflow
         step_times = []
-        for t in scheduler.timesteps:
+        for i, t in enumerate(scheduler.timesteps):
             ts = time.perf_counter()
-            velocity = self.predict(cache, seq, latents, t.reshape(1).float(), req.guidance_scale, step)
+            t_r = scheduler.sigmas[i + 1].reshape(1) * 1000 if meanflow else None  # official get_timestep_r
+            velocity = self.predict(cache, seq, latents, t.reshape(1).float(), guidance, step, t_r,
+                                    req.guidance_rescale)
             latents = scheduler.step(velocity, t, latents).prev_sample
             step_times.append(time.perf_counter() - ts)
         timings["dit_step_s"] = step_times
@@ -182,32 +228,59 @@ class DiTGenerator:
         return seq.gen_image.timestep_index + 1 + seq.gen_image.h * seq.gen_image.w
 
     # -- denoising --------------------------------------------------------------------------------
+    def initial_noise(self, seq: Sequence, seed: int) -> torch.Tensor:
+        """The official `prepare_latents`: diffusers' randn_tensor in bfloat16 from a generator on the
+        model's device; the scheduler upcasts to float32 from the first step on."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        gen, device = seq.gen_image, self.model.device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        shape = (1, self.model.config.vae.latent_channels, gen.h, gen.w)
+        return randn_tensor(shape, generator=generator, device=device, dtype=torch.bfloat16).float()
+
     def step_inputs(self, seq: Sequence, batch: int) -> tuple[torch.Tensor, HeadMask]:
-        """RoPE positions and mask of `<timestep>` + image tokens: the same at every step, built once."""
-        device, start, end = self.model.device, seq.gen_image.timestep_index, seq.gen_image.end
+        """RoPE positions and mask of `<timestep>` (+ Distil's `<guidance>`, `<timestep_r>`) + image
+        tokens: the same at every step, built once. The special tokens are causal; the image block
+        (last in the sequence) sees every key."""
+        device, gen = self.model.device, seq.gen_image
+        start, end = gen.timestep_index, gen.end
         positions = seq.positions()[start:end].expand(batch, -1, -1).to(device)
-        # <timestep> sees the prefix and itself; the image block (last in the sequence) sees all.
-        timestep_row = torch.arange(end) <= start
-        return positions, HeadMask(timestep_row.view(1, 1, 1, end).expand(batch, 1, 1, end).to(device), rows=1)
+        blocks = seq.block_ids()[:end]
+        rows = gen.start - start
+        q = torch.arange(start, gen.start).expand(batch, -1)
+        k = torch.arange(end).expand(batch, -1)
+        mask = attention_mask(q, k, blocks[start:gen.start].expand(batch, -1), blocks.expand(batch, -1))
+        return positions, HeadMask(mask.to(device), rows=rows)
 
     def predict(self, cache: KVCache, seq: Sequence, latents: torch.Tensor, t: torch.Tensor,
-                guidance: float, step: tuple[torch.Tensor, HeadMask] | None = None) -> torch.Tensor:
-        """Velocity for `latents` at time t: `<timestep>` + image tokens over the cached prefix."""
+                guidance: float, step: tuple[torch.Tensor, HeadMask] | None = None,
+                t_r: torch.Tensor | None = None, guidance_rescale: float = 0.0) -> torch.Tensor:
+        """Velocity for `latents` at time t: the step's special tokens + image tokens over the cached
+        prefix, then classifier-free guidance over the [cond; uncond] rows."""
         model, gen = self.model, seq.gen_image
         batch = cache.k[0].shape[0]
         positions, mask = step or self.step_inputs(seq, batch)
         t = t.to(model.device)
-        x = torch.cat([model.timestep_tokens(t), model.image_tokens(latents, t)[0]]).unsqueeze(0)
+        tokens = [model.timestep_tokens(t)]
+        if model.config.cfg_distilled:  # official: torch.tensor([1000 * g], dtype=bfloat16)
+            g = torch.tensor([1000.0 * guidance], dtype=torch.bfloat16, device=model.device).float()
+            tokens.append(model.guidance_tokens(g))
+        if model.config.use_meanflow:
+            tokens.append(model.timestep_r_tokens(t_r.to(model.device)))
+        tokens.append(model.image_tokens(latents, t)[0])
+        x = torch.cat(tokens).unsqueeze(0)
         hidden = model.forward_layers(x.expand(batch, -1, -1), positions, mask, cache)
-        out = model.image_output(hidden[:, 1:], t.expand(batch), gen.h, gen.w).float()
+        out = model.image_output(hidden[:, len(tokens) - 1:], t.expand(batch), gen.h, gen.w).float()
         if batch == 1:
             return out
         cond, uncond = out[0:1], out[1:2]
-        return uncond + guidance * (cond - uncond)
+        pred = uncond + guidance * (cond - uncond)
+        if guidance_rescale > 0:
+            pred = rescale_noise_cfg(pred, cond, guidance_rescale)
+        return pred
 
     def decode(self, latents: torch.Tensor) -> Image.Image:
         from .image_processing import tensor_to_pil
 
-        vae = self.model.vae
-        pixels = vae.decode(latents.to(next(vae.parameters()).dtype))
+        pixels = self.model.vae.decode(latents)
         return tensor_to_pil(pixels[0].float().cpu())

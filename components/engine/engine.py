@@ -1,20 +1,29 @@
-"""Engine: the model, tokenizer and both stages, loaded once per step process."""
+"""Engine: the model, tokenizer and both stages, loaded once per step process.
+
+    resolve --model (preset | checkpoint directory | Hugging Face repo id)
+    config.json -> HunyuanImage3Config;  generation_config.json;  tokenizer;  system_prompt.py
+    build the network on the meta device (no memory), slice it for tensor/expert parallelism,
+    allocate it on the target device in its dtypes (transformer in the model dtype, router fp32,
+    VAE in vae_dtype), then load the safetensors shard by shard (or draw dummy weights)
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .ar import ARGenerator, AROutput, ARRequest, SamplingParams
 from .config import HunyuanImage3Config, get_config
 from .dit import DiTGenerator, DiTOutput, DiTRequest
+from .resolve import ResolvedModel, resolve_model
 from .sequence import SequenceBuilder
 from .tokenizer import Tokenizer, load_tokenizer
-from .transformer import HunyuanImage3ForCausalMM
-from .weights import init_dummy_weights, load_pretrained
+from .transformer import HunyuanImage3ForCausalMM, TopKGate
+from .weights import LoadStats, init_dummy_weights, load_pretrained
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,46 +35,58 @@ class Engine:
     tokenizer: Tokenizer
     builder: SequenceBuilder
     model_id: str
+    generation_config: Any = None  # components.engine.generation_config.GenerationConfig
+    system_prompts: dict[str, str] | None = None
+    load_stats: LoadStats = field(default_factory=LoadStats)
+    parallel: Any = None  # components.engine.parallel.ParallelContext when tensor parallel
 
     @classmethod
     def load(cls, model: str = "tiny", weights: str | Path | None = None, device: str = "cpu",
-             dtype: str | None = None, seed: int = 0) -> "Engine":
-        """`model` is a preset name or a checkpoint directory (config.json, tokenizer, safetensors).
+             dtype: str | None = None, seed: int = 0, dummy_weights: bool = False,
+             tensor_parallel_size: int = 1, quantization: str | None = None,
+             moe_drop_tokens: bool = False, parallel: Any = None) -> "Engine":
+        """`model`: a preset, a checkpoint directory or a Hugging Face repo id (local cache only).
 
-        weights=None -> the `dummy` load format: seeded random weights, no file.
+        weights: where the safetensors live when not beside config.json. Presets and
+        dummy_weights=True draw seeded random weights instead (the `dummy` load format).
+        parallel: this rank's ParallelContext when the step runs tensor parallel (the launcher
+        creates it); tensor_parallel_size must match it.
         """
-        if Path(model).is_dir():
-            import json
-
-            config = HunyuanImage3Config.from_dict(json.loads((Path(model) / "config.json").read_text()))
-            tokenizer = load_tokenizer(model)
-            weights = weights or model
-            model_id = Path(model).name
-        else:
-            config = get_config(model)
-            tokenizer = load_tokenizer(None) if model == "tiny" else None
-            model_id = model
+        resolved = resolve_model(model)
+        config, tokenizer, generation_config, system_prompts = _describe(resolved)
         if dtype:
             config = config.replace(torch_dtype=dtype)
-        if tokenizer is None:
-            raise ValueError(f"model {model!r} needs a checkpoint directory for its tokenizer")
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, config vocab is {config.vocab_size}")
-
+        if tensor_parallel_size > 1 and (parallel is None or parallel.world_size != tensor_parallel_size):
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the launcher's process group "
+                             "(run the step program with --tensor-parallel-size, it starts the ranks)")
+        if quantization not in (None, "", "none", "fp8"):
+            raise ValueError(f"quantization {quantization!r}: supported is fp8")
         if config.torch_dtype == "float32" and device != "cpu":
             # cuDNN convolutions default to TF32; its rounding is discontinuous, so tiny input
             # differences jump to ~1e-3 and grow through CFG. float32 must mean float32.
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
-        torch.manual_seed(seed)
-        net = HunyuanImage3ForCausalMM(config)
-        if weights is None:
+
+        net = build_model(config, device, parallel=parallel)
+        weights_dir = None if dummy_weights else Path(weights) if weights else resolved.path
+        if weights_dir is None:
             init_dummy_weights(net, seed)
+            stats = LoadStats()
         else:
-            load_pretrained(net, weights)
-        net = net.to(device=device, dtype=DTYPES[config.torch_dtype]).eval()
-        net.model.layers.apply(_keep_router_fp32)
-        return cls(config, net, tokenizer, SequenceBuilder(tokenizer, config.image_base_size), model_id)
+            stats = load_pretrained(net, weights_dir)
+        for layer in net.model.layers:
+            if hasattr(layer.mlp, "drop_tokens"):
+                layer.mlp.drop_tokens = moe_drop_tokens
+        if quantization == "fp8":
+            from .quant import quantize_model_fp8_
+
+            quantize_model_fp8_(net)
+        net.eval()
+        builder = SequenceBuilder(tokenizer, config.image_base_size)
+        return cls(config, net, tokenizer, builder, resolved.name, generation_config, system_prompts, stats,
+                   parallel)
 
     @cached_property
     def ar(self) -> ARGenerator:
@@ -73,7 +94,7 @@ class Engine:
 
     @cached_property
     def dit(self) -> DiTGenerator:
-        return DiTGenerator(self.model, self.builder)
+        return DiTGenerator(self.model, self.builder, self.generation_config)
 
     @cached_property
     def config_hash(self) -> str:
@@ -87,9 +108,69 @@ class Engine:
         return [self.dit(r) for r in requests]
 
 
-def _keep_router_fp32(module: torch.nn.Module) -> None:
-    """The router `wg` stays fp32 whatever the model dtype (official checkpoint layout)."""
-    from .transformer import TopKGate
+def build_model(config: HunyuanImage3Config, device: str | torch.device, parallel: Any = None
+                ) -> HunyuanImage3ForCausalMM:
+    """The network with uninitialised storage on `device` in its dtypes: built on the meta device
+    (so the 80B model never exists in host memory), sliced for this rank when tensor parallel,
+    then allocated. The router `wg` stays float32 and the VAE takes `vae_dtype` (official)."""
+    with torch.device("meta"):
+        net = HunyuanImage3ForCausalMM(config)
+    net = net.to(DTYPES[config.torch_dtype])
+    for module in net.modules():
+        if isinstance(module, TopKGate):
+            module.float()
+    if hasattr(net, "vae"):
+        net.vae.to(DTYPES[config.vae_dtype])
+        net.vae.autocast_dtype = DTYPES.get(config.vae_autocast_dtype)
+    if parallel is not None and parallel.world_size > 1:
+        from .parallel import parallelize
 
-    if isinstance(module, TopKGate):
-        module.float()
+        parallelize(net, parallel)
+    return net.to_empty(device=device)
+
+
+def _describe(resolved: ResolvedModel) -> tuple[HunyuanImage3Config, Tokenizer, Any, dict[str, str] | None]:
+    """config, tokenizer, generation config and system prompts of a preset or a checkpoint."""
+    if resolved.kind == "preset":
+        config = get_config(resolved.name)
+        return config, load_tokenizer(None), _preset_generation_config(resolved.name), None
+    directory = resolved.path
+    config = HunyuanImage3Config.from_file(directory / "config.json")
+    tokenizer = load_tokenizer(directory)
+    return config, tokenizer, _checkpoint_generation_config(directory), _checkpoint_system_prompts(directory)
+
+
+def _preset_generation_config(name: str) -> Any:
+    try:
+        from .generation_config import GenerationConfig, tiny_generation_config
+    except ImportError:  # pragma: no cover - the module lands with the prompts work
+        return None
+    if name == "tiny":
+        return tiny_generation_config()
+    distil = name.endswith("distil")
+    # the released Instruct / Instruct-Distil generation_config.json values
+    return GenerationConfig.from_dict({
+        "diff_infer_steps": 8 if distil else 50, "diff_guidance_scale": 2.5 if distil else 5.0,
+        "flow_shift": 3.0, "bot_task": "think_recaption", "use_system_prompt": "en_unified",
+        "sequence_template": "instruct", "max_new_tokens": 2048, "do_sample": True, "temperature": 0.6,
+        "top_k": 1024, "top_p": 0.95, "drop_think": False, "max_length": 22800})
+
+
+def _checkpoint_generation_config(directory: Path) -> Any:
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        raise ValueError(f"checkpoint {directory} has no generation_config.json (steps, guidance and sampling "
+                         "defaults come from it): the download is incomplete")
+    try:
+        from .generation_config import GenerationConfig
+    except ImportError:  # pragma: no cover
+        return None
+    return GenerationConfig.from_file(path)
+
+
+def _checkpoint_system_prompts(directory: Path) -> dict[str, str] | None:
+    try:
+        from .system_prompts import load_system_prompts
+    except ImportError:  # pragma: no cover
+        return None
+    return load_system_prompts(directory)

@@ -38,7 +38,9 @@ def encode_cond_images(model: HunyuanImage3ForCausalMM, builder: SequenceBuilder
         ratio = builder.resolutions.nearest(*image.size)
         width, height = builder.resolutions.size(ratio)
         pixels = pil_to_tensor(resize_center_crop(image, width, height)).unsqueeze(0).to(model.device)
-        latents = model.vae.encode(pixels.to(next(model.vae.parameters()).dtype)).float()
+        # posterior draw from a fixed generator until the request's generator is threaded through
+        generator = torch.Generator(device=model.device).manual_seed(0)
+        latents = model.vae.encode(pixels, generator=generator).float()
         vit_in = preprocess_for_vit(image, cfg.vit)
         vit_tokens = encode_vit(model.vision_model, model.vision_aligner, [vit_in])[0].to(model.dtype)
         footprint = CondImage(latents.shape[2], latents.shape[3], ratio, tuple(vit_in.spatial_shape),

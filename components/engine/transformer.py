@@ -32,18 +32,20 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin [..., T, head_dim] for (y, x) positions [..., T, 2].
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """float32 cos/sin [..., T, head_dim] for (y, x) positions [..., T, 2], as the official
+    `build_2d_rope`: integer positions (a centred image grid floors its half-integer offset),
+    inverse frequencies and angles in float32.
 
     Rotary pair j uses frequency theta^(-2j/d) on axis y (j even) or x (j odd), the official
     interleaving; text has y == x, so it is exactly ordinary 1-D RoPE.
     """
-    half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
-    axis = torch.arange(half, device=positions.device) % 2
-    angles = positions.double()[..., axis] * inv_freq  # [..., T, half]
+    device = positions.device
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    axis = torch.arange(head_dim // 2, device=device) % 2
+    angles = positions.floor().long()[..., axis] * inv_freq  # [..., T, half], float32
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return angles.cos(), angles.sin()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +54,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, H, T, D]; cos/sin [B, T, D]
+    """x [B, H, T, D] in the model dtype; cos/sin [B, T, D] float32. The result is float32, as in
+    the official code (bf16 * fp32 promotes), and QK-norm then runs on it before the cast back."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
 
@@ -131,6 +134,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: HunyuanImage3Config) -> None:
         super().__init__()
+        # head counts are per rank once tensor parallelism has sliced the projections
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim)
         self.groups = self.num_heads // self.num_kv_heads
@@ -148,8 +152,8 @@ class Attention(nn.Module):
         q = q.reshape(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = self.query_layernorm(apply_rope(q, cos, sin))
-        k = self.key_layernorm(apply_rope(k, cos, sin))
+        q = self.query_layernorm(apply_rope(q, cos, sin)).to(v.dtype)
+        k = self.key_layernorm(apply_rope(k, cos, sin)).to(v.dtype)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         out = attend(q, k, v, mask)
@@ -157,12 +161,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU with the official fused `gate_and_up_proj`: down(x1 * silu(x2))."""
+    """SwiGLU with the official fused `gate_and_up_proj`: down(x1 * silu(x2)) on its two halves."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_and_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_and_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2 = self.gate_and_up_proj(x).chunk(2, dim=-1)
@@ -191,23 +195,35 @@ def _grouped_mm_available(x: torch.Tensor) -> bool:
 
 
 class MoE(nn.Module):
-    """Softmax router, top-k renormalised, plus the shared expert. Never drops tokens."""
+    """Softmax router, top-k renormalised, plus the shared expert.
+
+    Tokens are never dropped unless `drop_tokens` is set (the official eager path's capacity
+    rule: an expert takes at most max(k, k*N/E) * capacity_factor tokens, top-1 choices first).
+    """
 
     # "auto": grouped GEMM where supported (CUDA bf16), else the per-expert loop
     impl: str = "auto"
 
-    def __init__(self, cfg: HunyuanImage3Config) -> None:
+    def __init__(self, cfg: HunyuanImage3Config, layer: int = 0) -> None:
         super().__init__()
-        self.top_k = cfg.moe_topk
-        self.num_experts = cfg.num_experts
-        self.shared_mlp = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_expert)
-        self.gate = TopKGate(cfg.hidden_size, cfg.num_experts)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.top_k = cfg.layer("moe_topk", layer)
+        self.num_experts = cfg.layer("num_experts", layer)
+        intermediate = cfg.layer("moe_intermediate_size", layer)
+        self.shared_mlp = (MLP(cfg.hidden_size, intermediate * cfg.layer("num_shared_expert", layer), cfg.mlp_bias)
+                           if cfg.use_mixed_mlp_moe else None)
+        self.gate = TopKGate(cfg.hidden_size, self.num_experts)
+        self.experts = Experts(self.num_experts, cfg.hidden_size, intermediate)
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.capacity_factor = cfg.capacity_factor
+        self.drop_tokens = False  # set by Engine.load(moe_drop_tokens=True)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(self.gate.wg(x.float()), dim=-1)
+        probs = torch.softmax(self.gate.wg(x.float()).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-8)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).eps)
+        if self.drop_tokens:
+            weights = weights * _within_capacity(experts, self.num_experts, self.capacity_factor)
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,8 +234,19 @@ class MoE(nn.Module):
         if impl == "auto":
             impl = "grouped" if _grouped_mm_available(flat) else "loop"
         routed = (moe_grouped if impl == "grouped" else moe_loop)(
-            flat, weights, experts, self.experts.gate_and_up_proj, self.experts.down_proj)
-        return self.shared_mlp(x) + routed.view(shape)
+            flat, weights, experts, self.experts.gate_and_up_proj, self.experts.down_proj).view(shape)
+        return routed if self.shared_mlp is None else self.shared_mlp(x) + routed
+
+
+def _within_capacity(experts: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
+    """[N, k] 1/0: whether each (token, slot) choice fits its expert's capacity. Priority follows
+    the official `topkgating`: all tokens' first choices, then all second choices, ..."""
+    n, k = experts.shape
+    capacity = int(max(k, k * n // num_experts) * capacity_factor)
+    slot_major = experts.t().reshape(-1)  # [k * N]: slot 0 of every token first
+    one_hot = F.one_hot(slot_major, num_experts)
+    priority = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # place of this choice in its expert's queue
+    return (priority < capacity).view(k, n).t().to(torch.float32)
 
 
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -263,12 +290,14 @@ def moe_grouped(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: HunyuanImage3Config) -> None:
+    def __init__(self, cfg: HunyuanImage3Config, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg)
+        # the first moe_layer_num_skipped layers are dense (none in the released model)
+        self.mlp = MoE(cfg, index) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size,
+                                                                       cfg.mlp_bias)
 
     def forward(self, x, cos, sin, mask, cache, layer):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
@@ -281,7 +310,7 @@ class HunyuanImage3Model(nn.Module):
     def __init__(self, cfg: HunyuanImage3Config) -> None:
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -373,6 +402,10 @@ class HunyuanImage3ForCausalMM(nn.Module):
             self.vision_model = build_vision_model(cfg.vit)
             self.vision_aligner = LightProjector(cfg.vit.hidden_size, hidden, cfg.vit.aligner_depth)
         self.timestep_emb = TimestepEmbedder(hidden)
+        if cfg.cfg_distilled:  # Instruct-Distil: the guidance scale enters as a token
+            self.guidance_emb = TimestepEmbedder(hidden)
+        if cfg.use_meanflow:  # Instruct-Distil: the next timestep r enters as a token
+            self.timestep_r_emb = TimestepEmbedder(hidden)
         self.patch_embed = UNetDown(latent, hidden, cfg.patch_embed_hidden_dim, hidden)
         self.time_embed = TimestepEmbedder(hidden)
         self.final_layer = UNetUp(hidden, hidden, cfg.patch_embed_hidden_dim, latent)
@@ -389,9 +422,19 @@ class HunyuanImage3ForCausalMM(nn.Module):
         return self.model.wte.weight.device
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        c = self.config
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.attention_head_dim, capacity,
+        attn = self.model.layers[0].self_attn  # per-rank head count under tensor parallelism
+        return KVCache(len(self.model.layers), batch, attn.num_kv_heads, attn.head_dim, capacity,
                        self.dtype, self.device)
+
+    def autocast(self):
+        """The official pipeline runs the transformer under CUDA autocast in the model dtype (so,
+        e.g., the fp32 router projection computes in bf16); the same context makes ardit match it.
+        On the CPU and in float32 it does nothing."""
+        import contextlib
+
+        if self.device.type != "cuda" or self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=self.dtype)
 
     # embeddings of the different token kinds
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -399,6 +442,14 @@ class HunyuanImage3ForCausalMM(nn.Module):
 
     def timestep_tokens(self, t: torch.Tensor) -> torch.Tensor:
         return self.timestep_emb(t)
+
+    def guidance_tokens(self, guidance: torch.Tensor) -> torch.Tensor:
+        """Instruct-Distil's `<guidance>` token: the embedding of 1000 x the guidance scale."""
+        return self.guidance_emb(guidance)
+
+    def timestep_r_tokens(self, r: torch.Tensor) -> torch.Tensor:
+        """Instruct-Distil's `<timestep_r>` token (meanflow): the embedding of the next timestep."""
+        return self.timestep_r_emb(r)
 
     def image_tokens(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.patch_embed(latents.to(self.dtype), self.time_embed(t))
@@ -413,7 +464,7 @@ class HunyuanImage3ForCausalMM(nn.Module):
     def forward_layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                        cache: KVCache | None) -> torch.Tensor:
         """x [B, T, H]; positions [B, T, 2] (y, x); mask bool [B, 1, T, S], a HeadMask, or None."""
-        cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, cache, i)
         return x

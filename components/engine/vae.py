@@ -20,11 +20,13 @@ from torch import Tensor, nn
 
 from .config import VAEConfig
 
-# The checkpoint's video factor. VAEConfig has no field for it yet; `getattr` picks one up if added.
-DEFAULT_TEMPORAL_FACTOR = 4
+# The official modules hard-code GroupNorm(32); a channel width must be a multiple of 32.
+NORM_GROUPS = 32
 
 
 def _group_norm(num_groups: int, channels: int) -> nn.GroupNorm:
+    if channels % num_groups:
+        raise ValueError(f"VAE width {channels} is not a multiple of {num_groups} (official GroupNorm(32))")
     return nn.GroupNorm(num_groups=num_groups, num_channels=channels, eps=1e-6, affine=True)
 
 
@@ -60,6 +62,8 @@ class Conv3d(nn.Conv3d):
         t_out = t + 2 * pt - kt + 1
         out = None
         for dt in range(kt):
+            if dt + t_out <= pt or dt >= pt + t:
+                continue  # this tap sees only zero padding: it adds nothing (one-frame images)
             frames = x[:, :, dt:dt + t_out].transpose(1, 2).reshape(b * t_out, c, h, w)
             tap = self.weight[:, :, dt].contiguous()  # a strided weight sends conv2d down a slow path
             y = F.conv2d(frames, tap, None, self.stride[1:], self.padding[1:], self.dilation[1:])
@@ -279,22 +283,23 @@ class AutoencoderKLConv3D(nn.Module):
     def __init__(self, cfg: VAEConfig):
         super().__init__()
         self.latent_channels = cfg.latent_channels
-        self.ffactor_spatial = cfg.downsample_factor
-        self.ffactor_temporal = int(getattr(cfg, "ffactor_temporal", DEFAULT_TEMPORAL_FACTOR))
+        self.autocast_dtype: torch.dtype | None = torch.float16  # set from config.vae_autocast_dtype
+        self.ffactor_spatial = cfg.ffactor_spatial
+        self.ffactor_temporal = cfg.ffactor_temporal
         self.scaling_factor = float(cfg.scaling_factor)
         self.shift_factor = float(cfg.shift_factor or 0.0)
         blocks = tuple(cfg.block_out_channels)
         common = dict(
             block_out_channels=blocks,
             num_res_blocks=cfg.layers_per_block,
-            ffactor_spatial=cfg.downsample_factor,
+            ffactor_spatial=cfg.ffactor_spatial,
             ffactor_temporal=self.ffactor_temporal,
-            norm_num_groups=cfg.norm_num_groups,
+            norm_num_groups=NORM_GROUPS,
         )
         self.encoder = Encoder(in_channels=cfg.in_channels, z_channels=cfg.latent_channels, **common)
         self.decoder = Decoder(
             z_channels=cfg.latent_channels,
-            out_channels=cfg.in_channels,
+            out_channels=cfg.out_channels,
             **{**common, "block_out_channels": tuple(reversed(blocks))},
         )
 
@@ -307,36 +312,45 @@ class AutoencoderKLConv3D(nn.Module):
             raise ValueError(f"spatial size {h}x{w} must be a multiple of {factor}")
 
     @torch.no_grad()
-    def encode(
-        self, x: Tensor, *, sample_posterior: bool = False, generator: torch.Generator | None = None
-    ) -> Tensor:
+    def encode(self, x: Tensor, *, generator: torch.Generator | None = None, sample_posterior: bool = True) -> Tensor:
         """[B, C, H, W] in [-1, 1] -> scaled latents [B, latent_channels, H/16, W/16].
 
-        By default the posterior mean, so the AR and DiT stages derive identical conditioning
-        latents from the same image. The official pipeline draws `latent_dist.sample(generator)`
-        instead; `sample_posterior=True` does that (same clamp of the log-variance)."""
+        As the official `vae_encode`: a draw from the posterior, `latent_dist.sample(generator)`
+        (diffusers' `randn_tensor` in the posterior's dtype, on the generator's device), then
+        (z - shift) * scale. `sample_posterior=False` takes the mean instead."""
         self._check_spatial(x.shape[-2], x.shape[-1], self.ffactor_spatial)
         x = x.to(self.dtype)
         # an image is a clip of ffactor_temporal identical frames (official `encode`)
         x = x.unsqueeze(2).expand(-1, -1, self.ffactor_temporal, -1, -1)
-        moments = self.encoder(x)[:, :, 0]  # [B, 2z, h, w]
-        mean, logvar = moments.chunk(2, dim=1)
-        latents = mean
-        if sample_posterior:
-            std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
-            noise = torch.randn(
-                mean.shape, generator=generator, dtype=mean.dtype,
-                device=generator.device if generator is not None else mean.device,
-            ).to(mean.device)
-            latents = mean + std * noise
-        return (latents - self.shift_factor) * self.scaling_factor
+        with self.autocast(x.device):
+            moments = self.encoder(x)  # [B, 2z, 1, h, w]
+            mean, logvar = moments.chunk(2, dim=1)
+            latents = mean
+            if sample_posterior:
+                from diffusers.utils.torch_utils import randn_tensor
+
+                std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+                latents = mean + std * randn_tensor(mean.shape, generator=generator, device=moments.device,
+                                                    dtype=moments.dtype)
+            latents = (latents - self.shift_factor) * self.scaling_factor
+        return latents[:, :, 0]
 
     @torch.no_grad()
     def decode(self, z: Tensor) -> Tensor:
         """Scaled latents [B, latent_channels, h, w] -> pixels [B, C, 16h, 16w], roughly [-1, 1]."""
-        z = z.to(self.dtype) / self.scaling_factor + self.shift_factor
-        frames = self.decoder(z.unsqueeze(2))  # [B, C, ffactor_temporal, H, W]
+        z = z / self.scaling_factor + self.shift_factor
+        with self.autocast(z.device):
+            frames = self.decoder(z.to(self.dtype).unsqueeze(2))  # [B, C, ffactor_temporal, H, W]
         return frames[:, :, -1]
+
+    def autocast(self, device: torch.device):
+        """The official pipeline runs the VAE in float32 weights under float16 CUDA autocast
+        (`vae_autocast_dtype`); on the CPU nothing changes."""
+        import contextlib
+
+        if device.type != "cuda" or self.autocast_dtype in (None, torch.float32):
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=self.autocast_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.decode(self.encode(x))
