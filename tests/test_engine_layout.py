@@ -138,28 +138,45 @@ def _inv_freq():
 
 def test_rope_text_positions_are_1d_rope():
     p = torch.tensor([0.0, 1.0, 5.0, 37.0])
-    cos, sin = rope_cos_sin(torch.stack([p, p], -1), D, THETA, torch.float64)
+    cos, sin = rope_cos_sin(torch.stack([p, p], -1), D, THETA)
+    assert cos.dtype == torch.float32  # official build_2d_rope: float32 tables
     inv = _inv_freq()
     for t, pos in enumerate(p.tolist()):
         ang = [pos * f for f in inv] * 2  # rotate_half convention: the half repeats
-        assert cos[t].tolist() == pytest.approx([math.cos(a) for a in ang], abs=1e-12)
-        assert sin[t].tolist() == pytest.approx([math.sin(a) for a in ang], abs=1e-12)
+        assert cos[t].tolist() == pytest.approx([math.cos(a) for a in ang], abs=1e-5)
+        assert sin[t].tolist() == pytest.approx([math.sin(a) for a in ang], abs=1e-5)
 
 
-def test_rope_image_positions_interleave_y_and_x():
-    cos, sin = rope_cos_sin(torch.tensor([[3.0, 7.5]]), D, THETA, torch.float64)
+def test_rope_image_positions_interleave_y_and_x_and_floor_the_centring():
+    # a centred grid starts at L + (wh - w)/2, a half-integer for odd w: official positions are
+    # integers (`.long()` of the float grid), so 7.5 acts as 7
+    cos, sin = rope_cos_sin(torch.tensor([[3.0, 7.5]]), D, THETA)
     inv = _inv_freq()
-    ang = [(3.0 if j % 2 == 0 else 7.5) * inv[j] for j in range(D // 2)] * 2
-    assert cos[0].tolist() == pytest.approx([math.cos(a) for a in ang], abs=1e-12)
-    assert sin[0].tolist() == pytest.approx([math.sin(a) for a in ang], abs=1e-12)
+    ang = [(3.0 if j % 2 == 0 else 7.0) * inv[j] for j in range(D // 2)] * 2
+    assert cos[0].tolist() == pytest.approx([math.cos(a) for a in ang], abs=1e-6)
+    assert sin[0].tolist() == pytest.approx([math.sin(a) for a in ang], abs=1e-6)
+
+
+def test_rope_tables_are_bitwise_the_official_formula():
+    """The official `build_2d_rope` arithmetic (float32 theta reshaped [1, d/4, 2], long (y, x)
+    positions times theta, then repeated), written out here, equals ours bit for bit."""
+    d = 128
+    gen = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 22800, (300, 2), generator=gen).double() + 0.5 * torch.randint(0, 2, (300, 2), generator=gen)
+    theta = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    theta = theta.reshape(1, d // 4, 2)
+    all_pos = pos.long().unsqueeze(1)  # [T, 1, 2]
+    idx_theta = (all_pos * theta).reshape(pos.shape[0], d // 2).repeat(1, 2)
+    cos, sin = rope_cos_sin(pos, d, 10000.0)
+    assert torch.equal(cos, torch.cos(idx_theta)) and torch.equal(sin, torch.sin(idx_theta))
 
 
 def test_apply_rope_rotate_half_and_relative_property():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 1, 1, D, generator=gen, dtype=torch.float64)
     pos = 4.0
-    cos, sin = rope_cos_sin(torch.tensor([[[pos, pos]]]), D, THETA, torch.float64)
-    out = apply_rope(x, cos, sin)[0, 0, 0]
+    cos, sin = rope_cos_sin(torch.tensor([[[pos, pos]]]), D, THETA)
+    out = apply_rope(x, cos.double(), sin.double())[0, 0, 0]
     v = x[0, 0, 0]
     h = D // 2
     exp = torch.empty(D, dtype=torch.float64)
@@ -174,11 +191,11 @@ def test_apply_rope_rotate_half_and_relative_property():
     k = torch.randn(1, 1, 1, D, generator=gen, dtype=torch.float64)
 
     def dot(pq, pk):
-        cq, sq = rope_cos_sin(torch.tensor([[[pq, pq]]]), D, THETA, torch.float64)
-        ck, sk = rope_cos_sin(torch.tensor([[[pk, pk]]]), D, THETA, torch.float64)
-        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum().item()
+        cq, sq = rope_cos_sin(torch.tensor([[[pq, pq]]]), D, THETA)
+        ck, sk = rope_cos_sin(torch.tensor([[[pk, pk]]]), D, THETA)
+        return (apply_rope(q, cq.double(), sq.double()) * apply_rope(k, ck.double(), sk.double())).sum().item()
 
-    assert dot(10.0, 3.0) == pytest.approx(dot(107.0, 100.0), abs=1e-9)
+    assert dot(10.0, 3.0) == pytest.approx(dot(107.0, 100.0), abs=1e-5)  # float32 tables
     assert dot(10.0, 3.0) != pytest.approx(dot(10.0, 4.0), abs=1e-6)
 
 
