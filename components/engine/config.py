@@ -162,6 +162,8 @@ class HunyuanImage3Config:
                 raise UnsupportedConfig(f"vae_downsample_factor {factors}: only square factors are supported")
         extra = data.pop("extra", None) or {}
         extra.update(data)  # unknown keys stay verbatim
+        if vit_processor:
+            extra["vit_processor"] = vit_processor
         config = cls(**kwargs, vae=_vae_from_dict(vae), extra=extra,
                      vit=_vit_from_dicts(vit, vit_processor, vit_aligner))
         config.validate()
@@ -183,6 +185,7 @@ class HunyuanImage3Config:
                                "rope_scaling": {"type": "custom", "factor": 1.0}, "use_rotary_pos_emb": True,
                                "img_proj_type": "unet", "vae_type": "hunyuan-image-vae-v1",
                                "vit_type": "siglip2-so400m-patch16-naflex"}
+        out.update(self.extra)  # what the checkpoint said wins over the defaults above
         for f in dataclasses.fields(self):
             if f.name in ("vae", "vit", "extra", "torch_dtype"):
                 continue
@@ -199,9 +202,10 @@ class HunyuanImage3Config:
         out["vit_processor"] = {"patch_size": self.vit.patch_size, "max_num_patches": max_num_patches,
                                 "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
                                 "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+        out["vit_processor"] = {**out["vit_processor"], **self.extra.get("vit_processor", {}),
+                                "max_num_patches": max_num_patches}
         out["vit_aligner"] = {"projector_type": "mlp_gelu", "input_dim": self.vit.hidden_size,
                               "n_embed": self.hidden_size, "depth": depth}
-        out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
 
     def validate(self) -> None:
