@@ -156,8 +156,10 @@ class DiTGenerator:
             return f"config hash {kv.config_hash} != model {self.config_hash}"
         if kv.num_layers != cfg.num_hidden_layers:
             return f"KV has {kv.num_layers} layers, model has {cfg.num_hidden_layers}"
-        if tuple(kv.keys[0].shape[1:]) != (cfg.num_key_value_heads, cfg.attention_head_dim):
-            return f"KV head shape {tuple(kv.keys[0].shape[1:])} does not match the model"
+        attn = self.model.model.layers[0].self_attn  # this rank's heads under tensor parallelism
+        if tuple(kv.keys[0].shape[1:]) != (attn.num_kv_heads, attn.head_dim):
+            return (f"KV head shape {tuple(kv.keys[0].shape[1:])} does not match the model's "
+                    f"{(attn.num_kv_heads, attn.head_dim)}")
         if (kv.pos_reuse_len, kv.neg_reuse_len) != (seq.pos_reuse_len, seq.neg_reuse_len):
             return (f"reuse boundaries ({kv.pos_reuse_len}, {kv.neg_reuse_len}) != sequence "
                     f"({seq.pos_reuse_len}, {seq.neg_reuse_len})")

@@ -1,0 +1,251 @@
+"""Tensor + expert parallelism for the HunyuanImage-3 decoder, applied to the plain model from outside.
+
+`parallelize(model, ctx)` rewrites a model built on the meta device so that this rank holds only its
+share, the way torchtitan's `parallelize_*` functions or vLLM's parallel linear layers do; the model
+code itself knows nothing about ranks. Per decoder layer, over N ranks:
+
+- attention, tensor parallel by heads: rank r keeps KV heads [r*8/N, (r+1)*8/N) with their query
+  heads (the fused `qkv_proj` rows of those KV groups). Above 8 ranks a KV head is replicated and
+  the rank keeps its 32/N query heads of that group plus the group's K and V rows. `o_proj` is
+  row parallel: each rank multiplies its heads' columns and one all-reduce sums the partials;
+- MoE, expert parallel: tokens are already replicated after attention, the fp32 router runs on
+  every rank (identical choices), and rank r runs experts [r*64/N, (r+1)*64/N) on the tokens routed
+  to them. The shared expert (and any dense MLP) is tensor parallel with its fused gate/up
+  projection split per half (the official MLP computes x1 * silu(x2) on the two halves). The routed
+  and shared partials are added and summed with one all-reduce: two all-reduces per layer in all;
+- embeddings, lm_head, norms, timestep embedders, patch embed / final layer, VAE and ViT are
+  replicated (sampling sees full logits).
+
+`model.load_slices` records which ranges of each checkpoint tensor this rank holds, so the loader
+reads only those (`safe_open(...).get_slice`) and dummy init draws exactly the slices of the full
+tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, MoE, _combine, _grouped_mm_available
+from .transformer import moe_grouped, moe_loop
+from .weights import LoadSlices
+
+
+@dataclass
+class ParallelContext:
+    """This rank's place in the tensor-parallel group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: object = None  # a torch.distributed ProcessGroup; None = the default group
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (so ranks take the same branch)."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], device=self.device, dtype=torch.int32)
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def broadcast_object(self, obj, src: int = 0):
+        """A picklable object from rank `src` to every rank (rank 0 reads, everyone computes)."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+
+def split(total: int, world: int, rank: int, what: str) -> tuple[int, int]:
+    if total % world:
+        raise ValueError(f"{what}: {total} does not divide over {world} ranks")
+    size = total // world
+    return rank * size, (rank + 1) * size
+
+
+def kv_head_range(num_kv_heads: int, num_heads: int, world: int, rank: int) -> tuple[int, int]:
+    """The KV heads a rank holds (one replicated head when there are more ranks than KV heads)."""
+    if world <= num_kv_heads:
+        return split(num_kv_heads, world, rank, "num_key_value_heads")
+    q0, _ = split(num_heads, world, rank, "num_attention_heads")
+    head = q0 // (num_heads // num_kv_heads)
+    return head, head + 1
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r @ W_r^T: this rank's input slice times its weight columns, then one
+    all-reduce (the bias, if any, is added once, after the sum)."""
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.all_reduce_(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class ParallelMoE(nn.Module):
+    """This rank's experts and its slice of the shared expert; one all-reduce sums everything."""
+
+    def __init__(self, moe: MoE, ctx: ParallelContext, first_expert: int, local_experts: int,
+                 shared: MLP | None) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.gate = moe.gate  # replicated, fp32
+        self.top_k, self.num_experts = moe.top_k, moe.num_experts
+        self.norm_topk_prob, self.capacity_factor, self.drop_tokens = (moe.norm_topk_prob, moe.capacity_factor,
+                                                                       moe.drop_tokens)
+        hidden, intermediate = moe.experts.down_proj.shape[1], moe.experts.down_proj.shape[2]
+        dtype = moe.experts.down_proj.dtype
+        self.experts = Experts(local_experts, hidden, intermediate).to(dtype)
+        self.first_expert = first_expert
+        self.shared_mlp = shared
+        self.impl = MoE.impl
+
+    route = MoE.route  # the same routing on every rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, experts = self.route(flat)
+        local = (experts >= self.first_expert) & (experts < self.first_expert + self.experts.down_proj.shape[0])
+        slots = local.reshape(-1).nonzero().squeeze(1)  # (token, slot) pairs this rank computes
+        per_slot = torch.zeros(flat.shape[0] * self.top_k, shape[-1], dtype=flat.dtype, device=flat.device)
+        if slots.numel():
+            k = self.top_k
+            rows = flat[slots // k]
+            which = (experts.reshape(-1)[slots] - self.first_expert).unsqueeze(1)
+            ones = torch.ones_like(which, dtype=weights.dtype)
+            impl = self.impl
+            if impl == "auto":
+                impl = "grouped" if _grouped_mm_available(rows) else "loop"
+            fn = moe_grouped if impl == "grouped" else moe_loop
+            per_slot[slots] = fn(rows, ones, which, self.experts.gate_and_up_proj, self.experts.down_proj)
+        out = _combine(per_slot.view(flat.shape[0], self.top_k, -1), weights).view(shape)
+        if self.shared_mlp is not None:
+            out = out + self.shared_mlp(x)
+        return self.ctx.all_reduce_(out)
+
+
+class ReducedMLP(MLP):
+    """A dense (non-MoE) layer's tensor-parallel MLP, followed by its all-reduce (same parameter
+    names as the plain MLP)."""
+
+    ctx: ParallelContext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_reduce_(super().forward(x))
+
+
+def _sliced_mlp(mlp: MLP, ctx: ParallelContext, prefix: str, slices: LoadSlices, cls: type = MLP) -> MLP:
+    """A SwiGLU MLP holding this rank's slice of the intermediate dim; the fused gate/up projection is
+    split per half (rows r of x1 and the same rows of x2), down_proj by input columns. Its output is
+    a partial sum."""
+    intermediate = mlp.down_proj.in_features
+    lo, hi = split(intermediate, ctx.world_size, ctx.rank, f"{prefix} intermediate size")
+    bias = mlp.down_proj.bias is not None
+    local = cls(mlp.down_proj.out_features, hi - lo, bias).to(mlp.down_proj.weight.dtype)
+    local.ctx = ctx
+    halves = [(lo, hi), (intermediate + lo, intermediate + hi)]
+    slices.ranges[f"{prefix}.gate_and_up_proj.weight"] = (0, halves, 2 * intermediate)
+    if bias:
+        slices.ranges[f"{prefix}.gate_and_up_proj.bias"] = (0, halves, 2 * intermediate)
+        local.down_proj = RowBiasOnce(local.down_proj, ctx)
+    slices.ranges[f"{prefix}.down_proj.weight"] = (1, [(lo, hi)], intermediate)
+    return local
+
+
+class RowBiasOnce(nn.Module):
+    """A partial-sum linear whose bias must count once across ranks: rank 0 adds it."""
+
+    def __init__(self, linear: nn.Linear, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.weight, self.bias, self.ctx = linear.weight, linear.bias, ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if self.ctx.is_first else None)
+
+
+def _parallel_attention(attn: Attention, ctx: ParallelContext, prefix: str, slices: LoadSlices) -> None:
+    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    groups = heads // kv_heads
+    hidden = attn.qkv_proj.in_features
+    full_rows = (heads + 2 * kv_heads) * d
+    if ctx.world_size <= kv_heads:
+        kv0, kv1 = split(kv_heads, ctx.world_size, ctx.rank, "num_key_value_heads")
+        rows = [(kv0 * (groups + 2) * d, kv1 * (groups + 2) * d)]
+        q0, q1 = kv0 * groups, kv1 * groups
+        local_kv = kv1 - kv0
+    else:  # more ranks than KV heads: replicate the group's K/V, split its query heads
+        q0, q1 = split(heads, ctx.world_size, ctx.rank, "num_attention_heads")
+        head = q0 // groups
+        if (q1 - 1) // groups != head:
+            raise ValueError(f"{ctx.world_size} ranks would split a rank's query heads over two KV groups")
+        block = head * (groups + 2) * d
+        within = q0 - head * groups
+        rows = [(block + within * d, block + (within + q1 - q0) * d), (block + groups * d, block + (groups + 2) * d)]
+        local_kv = 1
+    local_q = q1 - q0
+    dtype = attn.qkv_proj.weight.dtype
+    has_bias = attn.qkv_proj.bias is not None
+    attn.qkv_proj = nn.Linear(hidden, sum(b - a for a, b in rows), bias=has_bias, dtype=dtype)
+    slices.ranges[f"{prefix}.qkv_proj.weight"] = (0, rows, full_rows)
+    if has_bias:
+        slices.ranges[f"{prefix}.qkv_proj.bias"] = (0, rows, full_rows)
+    attn.o_proj = RowParallelLinear(local_q * d, attn.o_proj.out_features, ctx, attn.o_proj.bias is not None, dtype)
+    slices.ranges[f"{prefix}.o_proj.weight"] = (1, [(q0 * d, q1 * d)], heads * d)
+    attn.num_heads, attn.num_kv_heads, attn.groups = local_q, local_kv, local_q // local_kv
+
+
+def parallelize(model: HunyuanImage3ForCausalMM, ctx: ParallelContext) -> HunyuanImage3ForCausalMM:
+    """Slice a meta-device model for rank ctx.rank of ctx.world_size (in place; returns it)."""
+    if ctx.world_size == 1:
+        return model
+    slices = LoadSlices()
+    with torch.device("meta"):
+        for i, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{i}"
+            _parallel_attention(layer.self_attn, ctx, f"{prefix}.self_attn", slices)
+            mlp = layer.mlp
+            if isinstance(mlp, MoE):
+                e0, e1 = split(mlp.num_experts, ctx.world_size, ctx.rank, f"layer {i} num_experts")
+                shared = (None if mlp.shared_mlp is None
+                          else _sliced_mlp(mlp.shared_mlp, ctx, f"{prefix}.mlp.shared_mlp", slices))
+                layer.mlp = ParallelMoE(mlp, ctx, e0, e1 - e0, shared)
+                slices.experts[f"{prefix}.mlp.experts.gate_and_up_proj"] = (e0, e1)
+                slices.experts[f"{prefix}.mlp.experts.down_proj"] = (e0, e1)
+            else:
+                layer.mlp = _sliced_mlp(mlp, ctx, f"{prefix}.mlp", slices, ReducedMLP)
+    model.load_slices = slices
+    model.parallel = ctx
+    return model
