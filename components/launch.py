@@ -1,0 +1,160 @@
+"""Run a step program on N tensor-parallel ranks: the step owns its workers.
+
+    python -m components.ar ... --tensor-parallel-size 4
+        -> 4 processes (torch.distributed: NCCL on GPUs, gloo on the CPU), rank r on cuda:r
+        -> each calls the step's `run(..., parallel=ParallelContext)`; all ranks compute, rank 0
+           reads the shard and writes the outputs
+        -> a rank that fails (exception, signal, killed) fails the whole step: the others are
+           stopped, the step exits non-zero naming the rank, nothing of the shard in flight is
+           committed (rank 0 commits only after every rank finished its collectives)
+
+NVLink multicast stays off for NCCL and PyTorch's symmetric memory (it can take shared GPUs out of
+service), unless the environment already says otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class RankFailed(RuntimeError):
+    """A rank of a tensor-parallel step failed; the message names it and its error."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_devices(world_size: int, device: str) -> None:
+    """One line when the machine cannot hold `world_size` ranks on `device`."""
+    if world_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {world_size}")
+    if device.startswith("cuda"):
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < world_size:
+            raise ValueError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs, this machine has {have}")
+
+
+def launch(target: str, kwargs: dict[str, Any], world_size: int, device: str, timeout_s: float = 1800.0) -> Any:
+    """Call `module:function(**kwargs, parallel=ctx)` on `world_size` ranks; return rank 0's result.
+
+    world_size 1 calls it in this process with parallel=None.
+    """
+    if world_size == 1:
+        return _resolve(target)(**kwargs, parallel=None)
+    check_devices(world_size, device)
+    import torch.multiprocessing as mp
+
+    for key, value in SAFE_NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(target, kwargs, rank, world_size, port, device, timeout_s, results),
+                         daemon=False) for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, Any]] = {}
+
+    def drain() -> None:
+        while not results.empty():
+            rank, status, value = results.get()
+            outcome[rank] = (status, value)
+
+    try:
+        while len(outcome) < world_size:
+            drain()
+            for rank, p in enumerate(procs):
+                if rank not in outcome and not p.is_alive():
+                    p.join()
+                    drain()
+                    if rank not in outcome:
+                        outcome[rank] = ("error", f"exited with code {p.exitcode} (killed or crashed)")
+            if any(status == "error" for status, _ in outcome.values()):
+                _settle(procs, outcome, drain)
+                rank, why = _root_cause(outcome)
+                raise RankFailed(f"tensor-parallel rank {rank} of {world_size} failed: {why}")
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return outcome[0][1]
+
+
+# A healthy rank whose peer died fails inside a collective; those errors are consequences.
+_COLLECTIVE_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL", "ProcessGroup",
+                      "DistBackendError", "timed out")
+
+
+def _settle(procs, outcome: dict, drain, seconds: float = 3.0) -> None:
+    """After a first failure, give the other ranks a moment to report, so the root cause is known."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and len(outcome) < len(procs):
+        drain()
+        for rank, p in enumerate(procs):
+            if rank not in outcome and not p.is_alive():
+                p.join()
+                drain()
+                if rank not in outcome:
+                    outcome[rank] = ("error", f"exited with code {p.exitcode} (killed or crashed)")
+        time.sleep(0.05)
+
+
+def _root_cause(outcome: dict) -> tuple[int, str]:
+    """The failed rank to report: one that crashed or raised on its own before one that only saw a
+    peer disappear from a collective."""
+    failed = sorted((r, v) for r, (s, v) in outcome.items() if s == "error")
+    own = [(r, v) for r, v in failed if not any(marker in v for marker in _COLLECTIVE_ERRORS)]
+    return (own or failed)[0]
+
+
+def _resolve(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _worker(target: str, kwargs: dict, rank: int, world: int, port: int, device: str, timeout_s: float,
+            results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from components.engine.parallel import ParallelContext
+
+    try:
+        on_gpu = device.startswith("cuda")
+        if on_gpu:
+            torch.cuda.set_device(rank)
+            dev = torch.device("cuda", rank)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            dev = torch.device("cpu")
+        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        ctx = ParallelContext(rank, world, dev)
+        value = _resolve(target)(**{**kwargs, "device": str(dev)}, parallel=ctx)
+        results.put((rank, "ok", value if rank == 0 else None))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - report every failure to the parent, then die
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        if os.environ.get("ARDIT_DEBUG"):
+            detail += "\n" + traceback.format_exc()
+        results.put((rank, "error", detail))
+        sys.exit(1)
