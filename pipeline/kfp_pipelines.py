@@ -49,7 +49,9 @@ _SCHEDULED_RUN_ID = (
     "import re,sys\n"
     "t = sys.argv[1].strip()\n"
     "if not t or t.startswith('{{'):\n"
-    "    sys.exit('error: not a scheduled run (no schedule time): start generate_dataset with a run_id instead')\n"
+    "    print('error: not a scheduled run (no schedule time): start generate_dataset with a run_id instead',"
+    " file=sys.stderr)\n"
+    "    sys.exit(2)\n"
     "open(sys.argv[2], 'w').write('scheduled-' + re.sub('[^0-9A-Za-z]', '', t))\n"
 )
 

@@ -210,7 +210,7 @@ def test_kfp_scheduled_pipeline_takes_its_run_id_from_the_schedule(kfp_dir, tmp_
     subprocess.run([sys.executable, *c["command"][1:], "2026-11-22T02:00:00Z", str(out)], check=True)
     assert out.read_text() == "scheduled-20261122T020000Z"
     done = subprocess.run([sys.executable, *c["command"][1:], "", str(out)], capture_output=True, text=True)
-    assert done.returncode == 1 and "not a scheduled run" in done.stderr
+    assert done.returncode == 2 and "not a scheduled run" in done.stderr
 
 
 def test_shard_indices_helper_lists_every_shard(kfp_dir, tmp_path):
