@@ -48,7 +48,7 @@ def check_devices(world_size: int, device: str) -> None:
             raise ValueError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs, this machine has {have}")
 
 
-def launch(target: str, kwargs: dict[str, Any], world_size: int, device: str, timeout_s: float = 1800.0) -> Any:
+def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: str, timeout_s: float = 1800.0) -> Any:
     """Call `module:function(**kwargs, parallel=ctx)` on `world_size` ranks; return rank 0's result.
 
     world_size 1 calls it in this process with parallel=None.

@@ -1,4 +1,4 @@
-"""The tensor-parallel launcher: ranks run a step function, a failed rank fails the step by name."""
+"""Running a step on tensor-parallel ranks: ranks run a step function, a failed rank fails the step by name."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import time
 
 import pytest
 
-from components.launch import RankFailed, launch
+from components.ranks import RankFailed, run_on_ranks
 
 
 def test_ranks_run_and_rank0_result_comes_back():
-    assert launch("tests.parallel_targets:sum_ranks", {"value": 10}, world_size=3, device="cpu") == 3 * 10 + 0 + 1 + 2
+    assert run_on_ranks("tests.parallel_targets:sum_ranks", {"value": 10}, world_size=3, device="cpu") == 3 * 10 + 0 + 1 + 2
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_failed_rank_fails_the_step_and_stops_the_others(how):
     t0 = time.monotonic()
     with pytest.raises(RankFailed, match=r"rank 1 of 2 failed") as e:
-        launch("tests.parallel_targets:fail_on_rank", {"bad_rank": 1, "how": how}, world_size=2, device="cpu")
+        run_on_ranks("tests.parallel_targets:fail_on_rank", {"bad_rank": 1, "how": how}, world_size=2, device="cpu")
     if how == "raise":
         assert "row 3: this rank could not read its weights" in str(e.value)
     else:
@@ -27,4 +27,4 @@ def test_a_failed_rank_fails_the_step_and_stops_the_others(how):
 
 def test_more_ranks_than_gpus_is_one_line():
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 64 needs 64 GPUs, this machine has \d+"):
-        launch("tests.parallel_targets:sum_ranks", {"value": 0}, world_size=64, device="cuda")
+        run_on_ranks("tests.parallel_targets:sum_ranks", {"value": 0}, world_size=64, device="cuda")
