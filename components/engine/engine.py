@@ -69,20 +69,12 @@ class Engine:
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
 
-        net = build_model(config, device, parallel=parallel)
+        net = build_model(config, device, parallel=parallel, allocate=False)
         weights_dir = None if dummy_weights else Path(weights) if weights else resolved.path
-        if weights_dir is None:
-            init_dummy_weights(net, seed)
-            stats = LoadStats()
-        else:
-            stats = load_pretrained(net, weights_dir)
+        stats = materialize(net, device, weights_dir, seed, quantize=quantization == "fp8")
         for layer in net.model.layers:
             if hasattr(layer.mlp, "drop_tokens"):
                 layer.mlp.drop_tokens = moe_drop_tokens
-        if quantization == "fp8":
-            from .quant import quantize_model_fp8_
-
-            quantize_model_fp8_(net)
         net.eval()
         builder = SequenceBuilder(tokenizer, config.image_base_size)
         return cls(config, net, tokenizer, builder, resolved.name, generation_config, system_prompts, stats,
@@ -108,11 +100,11 @@ class Engine:
         return [self.dit(r) for r in requests]
 
 
-def build_model(config: HunyuanImage3Config, device: str | torch.device, parallel: Any = None
-                ) -> HunyuanImage3ForCausalMM:
-    """The network with uninitialised storage on `device` in its dtypes: built on the meta device
-    (so the 80B model never exists in host memory), sliced for this rank when tensor parallel,
-    then allocated. The router `wg` stays float32 and the VAE takes `vae_dtype` (official)."""
+def build_model(config: HunyuanImage3Config, device: str | torch.device, parallel: Any = None,
+                allocate: bool = True) -> HunyuanImage3ForCausalMM:
+    """The network in its dtypes: built on the meta device (so the 80B model never exists in host
+    memory), sliced for this rank when tensor parallel, then (allocate=True) given uninitialised
+    storage on `device`. The router `wg` stays float32 and the VAE takes `vae_dtype` (official)."""
     with torch.device("meta"):
         net = HunyuanImage3ForCausalMM(config)
     net = net.to(DTYPES[config.torch_dtype])
@@ -126,7 +118,42 @@ def build_model(config: HunyuanImage3Config, device: str | torch.device, paralle
         from .parallel import parallelize
 
         parallelize(net, parallel)
-    return net.to_empty(device=device)
+    return net.to_empty(device=device) if allocate else net
+
+
+@torch.no_grad()
+def materialize(net: HunyuanImage3ForCausalMM, device: str | torch.device, weights_dir: Path | None, seed: int,
+                quantize: bool = False) -> LoadStats:
+    """Give a meta-device model its storage and values: the safetensors in `weights_dir`, or dummy
+    weights when None. With `quantize`, decoder layers are allocated, filled and quantized to FP8
+    one at a time, so the bf16 model never exists whole (the 80B model fits one H200 this way)."""
+    def fill(prefix: str = "", skip: tuple[str, ...] = ()) -> LoadStats:
+        if weights_dir is None:
+            init_dummy_weights(net, seed, prefix=prefix, skip_prefixes=skip)
+            return LoadStats()
+        return load_pretrained(net, weights_dir, prefix=prefix, skip_prefixes=skip)
+
+    if not quantize:
+        net.to_empty(device=device)
+        return fill()
+    from .quant import quantize_model_fp8_
+
+    layers = net.model.layers
+    net.model.layers = torch.nn.ModuleList()  # allocate everything but the decoder layers
+    net.to_empty(device=device)
+    net.model.layers = layers
+    total = fill(skip=("model.layers.",))
+    for i, layer in enumerate(layers):
+        layer.to_empty(device=device)
+        part = fill(prefix=f"model.layers.{i}.")
+        quantize_model_fp8_(layer)
+        total.tensors += part.tensors
+        total.bytes_read += part.bytes_read
+        total.seconds += part.seconds
+    from .weights import peak_rss_gb
+
+    total.peak_host_rss_gb = peak_rss_gb()
+    return total
 
 
 def _describe(resolved: ResolvedModel) -> tuple[HunyuanImage3Config, Tokenizer, Any, dict[str, str] | None]:

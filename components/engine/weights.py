@@ -110,8 +110,9 @@ def save_pretrained(model: nn.Module, config: HunyuanImage3Config, directory: st
     return directory
 
 
-def checkpoint_files(directory: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (from its index, else model.safetensors)."""
+def checkpoint_files(directory: str | Path, prefix: str = "") -> list[Path]:
+    """The safetensors files of a checkpoint directory (from its index, else model.safetensors);
+    with `prefix`, only the files that hold tensors whose names start with it."""
     directory = Path(directory)
     index = directory / INDEX_FILE
     if index.exists():
@@ -119,7 +120,7 @@ def checkpoint_files(directory: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
             raise CheckpointError(f"{index} is not a safetensors index ({e})") from None
-        files = [directory / f for f in sorted(set(weight_map.values()))]
+        files = [directory / f for f in sorted({f for n, f in weight_map.items() if n.startswith(prefix)})]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{directory} lacks {len(missing)} shard(s) named in {INDEX_FILE}, e.g. "
@@ -146,25 +147,33 @@ def _read(handle, name: str, spec) -> torch.Tensor:
 
 @torch.no_grad()
 def load_pretrained(model: nn.Module, directory: str | Path, strict: bool = True,
-                    on_tensor: Callable[[str], None] | None = None) -> LoadStats:
+                    on_tensor: Callable[[str], None] | None = None, prefix: str = "",
+                    skip_prefixes: tuple[str, ...] = ()) -> LoadStats:
     """Load official-named sharded safetensors into `model` in place, shard by shard.
 
     Each tensor is read (only this rank's slice of it when the model is sliced), cast to the
     parameter's dtype and copied onto the parameter's device. strict: every model tensor must come
     from the checkpoint and every checkpoint tensor must have a place in the model.
+    prefix / skip_prefixes: load only the tensors whose names start with `prefix` and with none of
+    `skip_prefixes` (loading one decoder layer at a time; strictness holds within that part).
     """
     from safetensors import safe_open
+
+    def wanted(name: str) -> bool:
+        return name.startswith(prefix) and not name.startswith(skip_prefixes or ("\0",))
 
     t0 = time.perf_counter()
     stats = LoadStats()
     slices: LoadSlices = getattr(model, "load_slices", None) or LoadSlices()
     params = model.state_dict(keep_vars=True)
-    expected = {name for name, _ in official_tensors(model)}
+    expected = {name for name, _ in official_tensors(model) if wanted(name)}
     seen: set[str] = set()
     unexpected: list[str] = []
-    for path in checkpoint_files(directory):
+    for path in checkpoint_files(directory, prefix):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
+                if not wanted(name):
+                    continue
                 m = _EXPERT_RE.match(name)
                 if m:
                     stacked = f"{m.group(1)}.{m.group(3)}"
@@ -213,7 +222,7 @@ def peak_rss_gb() -> float:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+def init_dummy_weights(model: nn.Module, seed: int = 0, prefix: str = "", skip_prefixes: tuple[str, ...] = ()) -> None:
     """`dummy` load format: every weight random (no file), norms at one, biases at zero.
 
     Weights are N(0, 1/fan_in) so activations keep unit scale through the random network, and the
@@ -224,6 +233,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """
     slices: LoadSlices = getattr(model, "load_slices", None) or LoadSlices()
     for name, p in model.named_parameters():
+        if not name.startswith(prefix) or (skip_prefixes and name.startswith(skip_prefixes)):
+            continue
         if name.endswith("bias"):
             p.zero_()
         elif p.dim() == 1:  # norm weights
