@@ -58,19 +58,28 @@ class Conv3d(nn.Conv3d):
             return super().forward(x)
         b, c, t, h, w = x.shape
         kt, pt = self.kernel_size[0], self.padding[0]
-        x = F.pad(x, (0, 0, 0, 0, pt, pt))
         t_out = t + 2 * pt - kt + 1
         out = None
         for dt in range(kt):
-            if dt + t_out <= pt or dt >= pt + t:
-                continue  # this tap sees only zero padding: it adds nothing (one-frame images)
-            frames = x[:, :, dt:dt + t_out].transpose(1, 2).reshape(b * t_out, c, h, w)
+            # output frame o reads input frame o + dt - pt; frames in the zero padding add nothing,
+            # so no padded copy is made (a one-frame image runs only the middle tap)
+            o0, o1 = max(0, pt - dt), min(t_out, t + pt - dt)
+            if o0 >= o1:
+                continue
+            n = o1 - o0
+            frames = x[:, :, o0 + dt - pt:o1 + dt - pt].transpose(1, 2).reshape(b * n, c, h, w)
             tap = self.weight[:, :, dt].contiguous()  # a strided weight sends conv2d down a slow path
             y = F.conv2d(frames, tap, None, self.stride[1:], self.padding[1:], self.dilation[1:])
-            out = y if out is None else out + y
+            y = y.view(b, n, *y.shape[1:])
+            if out is None and n == t_out:
+                out = y
+                continue
+            if out is None:
+                out = y.new_zeros(b, t_out, *y.shape[2:])
+            out[:, o0:o1] += y
         if self.bias is not None:
-            out = out + self.bias.view(1, -1, 1, 1)
-        return out.reshape(b, t_out, *out.shape[1:]).transpose(1, 2)
+            out = out + self.bias.view(1, 1, -1, 1, 1)
+        return out.transpose(1, 2)
 
 
 class AttnBlock(nn.Module):
