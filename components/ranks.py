@@ -48,11 +48,15 @@ def check_devices(world_size: int, device: str) -> None:
             raise ValueError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs, this machine has {have}")
 
 
-def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: str, timeout_s: float = 1800.0) -> Any:
+def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: str, timeout_s: float = 1800.0,
+                 cfg_parallel: bool = False) -> Any:
     """Call `module:function(**kwargs, parallel=ctx)` on `world_size` ranks; return rank 0's result.
 
-    world_size 1 calls it in this process with parallel=None.
+    world_size 1 calls it in this process with parallel=None. cfg_parallel: the ranks form two
+    tensor-parallel groups of world_size/2, one per CFG row (a DiT step layout).
     """
+    if cfg_parallel and world_size % 2:
+        raise ValueError(f"--cfg-parallel needs an even number of ranks, got {world_size}")
     if world_size == 1:
         return _resolve(target)(**kwargs, parallel=None)
     check_devices(world_size, device)
@@ -63,8 +67,8 @@ def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: s
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(target, kwargs, rank, world_size, port, device, timeout_s, results),
-                         daemon=False) for rank in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(target, kwargs, rank, world_size, port, device, timeout_s, results,
+                                               cfg_parallel), daemon=False) for rank in range(world_size)]
     for p in procs:
         p.start()
     outcome: dict[int, tuple[str, Any]] = {}
@@ -97,6 +101,23 @@ def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: s
             if p.is_alive():
                 p.kill()
     return outcome[0][1]
+
+
+def _context(rank: int, world: int, device, cfg_parallel: bool):
+    """This rank's ParallelContext; under CFG parallelism, two tensor-parallel groups (ranks
+    [0, N/2) compute the cond row, [N/2, N) the uncond row) and N/2 twin pairs that trade rows.
+    Every rank creates every group, in the same order, as torch.distributed requires."""
+    import torch.distributed as dist
+
+    from components.engine.parallel import ParallelContext
+
+    if not cfg_parallel:
+        return ParallelContext(rank, world, device)
+    tp = world // 2
+    tp_groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(2)]
+    twin_groups = [dist.new_group([i, i + tp]) for i in range(tp)]
+    return ParallelContext(rank % tp, tp, device, group=tp_groups[rank // tp], cfg_parallel=True,
+                           cfg_rank=rank // tp, cfg_group=twin_groups[rank % tp])
 
 
 # A healthy rank whose peer died fails inside a collective; those errors are consequences.
@@ -132,11 +153,9 @@ def _resolve(target: str):
 
 
 def _worker(target: str, kwargs: dict, rank: int, world: int, port: int, device: str, timeout_s: float,
-            results) -> None:
+            results, cfg_parallel: bool = False) -> None:
     import torch
     import torch.distributed as dist
-
-    from components.engine.parallel import ParallelContext
 
     try:
         on_gpu = device.startswith("cuda")
@@ -148,7 +167,7 @@ def _worker(target: str, kwargs: dict, rank: int, world: int, port: int, device:
             dev = torch.device("cpu")
         dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        ctx = ParallelContext(rank, world, dev)
+        ctx = _context(rank, world, dev, cfg_parallel)
         value = _resolve(target)(**{**kwargs, "device": str(dev)}, parallel=ctx)
         results.put((rank, "ok", value if rank == 0 else None))
         dist.destroy_process_group()

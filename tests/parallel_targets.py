@@ -27,3 +27,36 @@ def fail_on_rank(bad_rank: int, how: str, device: str, parallel) -> str:
     parallel.all_reduce_(t)
     time.sleep(30)
     return "should not get here"
+
+
+def engine_row(outdir: str, device: str, parallel) -> None:
+    """One tiny IT2I row (greedy AR, 2 DiT steps with CFG) on this rank; writes what it computed."""
+    import pickle
+
+    import numpy as np
+    import torch
+
+    from components.engine import Engine
+    from components.engine.ar import ARRequest, SamplingParams
+    from components.engine.dit import DiTRequest
+    from tests.test_engine_helpers import random_image
+
+    torch.manual_seed(0)
+    engine = Engine.load("tiny", device=device, tensor_parallel_size=parallel.world_size, parallel=parallel)
+    image = random_image(96, 64)
+    rows_seen = []
+    plain = engine.dit.prefix_from_reuse
+
+    def recording(*args, **kwargs):
+        cache = plain(*args, **kwargs)
+        rows_seen.append(cache.k[0].shape[0])
+        return cache
+
+    engine.dit.prefix_from_reuse = recording
+    ar = engine.generate_ar([ARRequest("r", "a red cat on a sofa", [image], seed=1)],
+                            SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    dit = engine.dit(DiTRequest(ar, [image], ar.prompt_kv, steps=2, guidance_scale=5.0, seed=1))
+    name = f"rank{parallel.cfg_rank}_{parallel.rank}.pkl"
+    with open(f"{outdir}/{name}", "wb") as f:
+        pickle.dump({"latents": dit.latents, "kv_path": dit.kv_path, "image": np.asarray(dit.image),
+                     "cache_rows": rows_seen}, f)

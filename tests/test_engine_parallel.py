@@ -135,3 +135,21 @@ def test_kv_moves_between_layouts(single, tmp_path):
     for out in _spawn(2, tmp_path / "from_tp1", str(kv_file)):
         assert out["kv_path"] == "reuse", out["reason"]
         assert (out["latents"] - single["latents"]).abs().max() / single["latents"].abs().max() <= 1e-5
+
+
+@pytest.mark.slow
+def test_cfg_parallel_dit_matches_one_process(single, tmp_path):
+    """4 ranks as two tensor-parallel groups of 2: one computes the cond row, the other the uncond
+    row, and they trade predictions each step; the result equals the single-process CFG batch."""
+    from components.ranks import run_on_ranks
+
+    run_on_ranks("tests.parallel_targets:engine_row", {"outdir": str(tmp_path)}, world_size=4, device="cpu",
+                 cfg_parallel=True)
+    outs = {p.name: pickle.load(open(p, "rb")) for p in tmp_path.glob("rank*.pkl")}
+    assert sorted(outs) == ["rank0_0.pkl", "rank0_1.pkl", "rank1_0.pkl", "rank1_1.pkl"]
+    ref = single["latents"]
+    for name, out in outs.items():
+        assert out["kv_path"] == "reuse" and out["cache_rows"] == [1]  # one CFG row per group
+        rel = (out["latents"] - ref).abs().max() / ref.abs().max()
+        assert rel.item() <= 1e-5, f"{name}: {rel.item():.2e}"
+        assert psnr(out["image"], single["image"]) >= 60

@@ -173,10 +173,25 @@ class DiTGenerator:
             return f"layer {short[0]}: KV holds {kv.keys[short[0]].shape[0]} tokens, expected {seq.pos_reuse_len}"
         return ""
 
+    def _cfg_split(self, cfg_on: bool) -> bool:
+        """Whether this rank's group computes one CFG row and trades predictions with the other group."""
+        parallel = getattr(self.model, "parallel", None)
+        return cfg_on and parallel is not None and parallel.cfg_parallel
+
+    def _rows(self, seq: Sequence, cfg_on: bool) -> list[tuple[list[int], int]]:
+        """(ids, reusable prefix length) of the CFG rows this rank computes: [cond; uncond], or the
+        one row of its group under CFG parallelism, or cond alone without CFG."""
+        cond, uncond = (seq.cond_ids, seq.pos_reuse_len), (seq.uncond_ids, seq.neg_reuse_len)
+        if not cfg_on:
+            return [cond]
+        if self._cfg_split(cfg_on):
+            return [cond] if self.model.parallel.cfg_rank == 0 else [uncond]
+        return [cond, uncond]
+
     def prefix_from_scratch(self, seq: Sequence, images: list[Image.Image], cfg_on: bool) -> KVCache:
         """Denoise step 1 of the recompute path: the prefix of both rows from token 0."""
         cond = self._encode(seq, images, 0)
-        rows = [seq.cond_ids] + ([seq.uncond_ids] if cfg_on else [])
+        rows = [ids for ids, _ in self._rows(seq, cfg_on)]
         cache = self.model.new_cache(len(rows), self._capacity(seq))
         self._prefill(cache, seq, rows, 0, cond)
         return cache
@@ -184,10 +199,10 @@ class DiTGenerator:
     def prefix_from_reuse(self, seq: Sequence, kv: PromptKV, images: list[Image.Image], cfg_on: bool) -> KVCache:
         """Inject AR K/V and compute only what the AR did not: the cond row after the boundary,
         and the uncond row from its first `<cfg>` on top of the shared prefix."""
-        pos, neg = seq.pos_reuse_len, seq.neg_reuse_len
-        cond = self._encode(seq, images, min(pos, neg) if cfg_on else pos)
+        row_specs = self._rows(seq, cfg_on)
+        cond = self._encode(seq, images, min(shared for _, shared in row_specs))
         rows = []
-        for ids, shared in [(seq.cond_ids, pos)] + ([(seq.uncond_ids, neg)] if cfg_on else []):
+        for ids, shared in row_specs:
             cache = self.model.new_cache(1, seq.gen_image.timestep_index)
             self._inject(cache, kv, shared)
             self._prefill(cache, seq, [ids], shared, cond)
@@ -273,7 +288,9 @@ class DiTGenerator:
         x = torch.cat(tokens).unsqueeze(0)
         hidden = model.forward_layers(x.expand(batch, -1, -1), positions, mask, cache)
         out = model.image_output(hidden[:, len(tokens) - 1:], t.expand(batch), gen.h, gen.w).float()
-        if batch == 1:
+        if batch == 1 and self._cfg_split(guidance > 1.0 and not model.config.cfg_distilled):
+            out = model.parallel.gather_cfg(out)  # CFG parallel: the other group computed the other row
+        elif batch == 1:
             return out
         cond, uncond = out[0:1], out[1:2]
         pred = uncond + guidance * (cond - uncond)

@@ -58,7 +58,8 @@ class Engine:
             config = config.replace(torch_dtype=dtype)
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, config vocab is {config.vocab_size}")
-        if tensor_parallel_size > 1 and (parallel is None or parallel.world_size != tensor_parallel_size):
+        if tensor_parallel_size > 1 and (parallel is None or parallel.world_size != tensor_parallel_size
+                                         and not parallel.cfg_parallel):
             raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the launcher's process group "
                              "(run the step program with --tensor-parallel-size, it starts the ranks)")
         if quantization not in (None, "", "none", "fp8"):
@@ -114,7 +115,7 @@ def build_model(config: HunyuanImage3Config, device: str | torch.device, paralle
     if hasattr(net, "vae"):
         net.vae.to(DTYPES[config.vae_dtype])
         net.vae.autocast_dtype = DTYPES.get(config.vae_autocast_dtype)
-    if parallel is not None and parallel.world_size > 1:
+    if parallel is not None:
         from .parallel import parallelize
 
         parallelize(net, parallel)

@@ -36,16 +36,29 @@ from .weights import LoadSlices
 
 @dataclass
 class ParallelContext:
-    """This rank's place in the tensor-parallel group."""
+    """This rank's place in the tensor-parallel group (and, for a CFG-parallel DiT step, which CFG
+    row its group computes: the cond row on group 0, the uncond row on group 1)."""
 
-    rank: int
-    world_size: int
+    rank: int  # within the tensor-parallel group
+    world_size: int  # tensor-parallel group size
     device: torch.device
     group: object = None  # a torch.distributed ProcessGroup; None = the default group
+    cfg_parallel: bool = False
+    cfg_rank: int = 0  # 0: cond row, 1: uncond row
+    cfg_group: object = None  # the 2-rank group {this rank, its twin in the other CFG group}
 
     @property
     def is_first(self) -> bool:
-        return self.rank == 0
+        """The rank that reads the shard and writes the outputs."""
+        return self.rank == 0 and self.cfg_rank == 0
+
+    def gather_cfg(self, row: torch.Tensor) -> torch.Tensor:
+        """[cond; uncond] from this group's row and the twin group's row (same on every rank)."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(row) for _ in range(2)]
+        dist.all_gather(parts, row.contiguous(), group=self.cfg_group)
+        return torch.cat(parts)
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -229,6 +242,7 @@ def _parallel_attention(attn: Attention, ctx: ParallelContext, prefix: str, slic
 
 def parallelize(model: HunyuanImage3ForCausalMM, ctx: ParallelContext) -> HunyuanImage3ForCausalMM:
     """Slice a meta-device model for rank ctx.rank of ctx.world_size (in place; returns it)."""
+    model.parallel = ctx
     if ctx.world_size == 1:
         return model
     slices = LoadSlices()
