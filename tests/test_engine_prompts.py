@@ -165,3 +165,29 @@ def test_generation_config_rejects_bad_values(tmp_path, bad, match):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         GenerationConfig.from_file(path)
+
+
+def test_generation_config_file_round_trip(tmp_path):
+    from components.engine.generation_config import write_generation_config_file
+
+    path = write_generation_config_file(tmp_path)
+    assert path.name == "generation_config.json"
+    assert GenerationConfig.from_file(path) == tiny_generation_config()
+
+
+def test_builder_from_config_reads_distil_flags_and_template():
+    from types import SimpleNamespace
+
+    from components.engine.sequence import SequenceBuilder
+    from components.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    distil = SimpleNamespace(image_base_size=256, cfg_distilled=True, use_meanflow=True)
+    b = SequenceBuilder.from_config(tok, distil, tiny_generation_config().with_overrides(max_length=300))
+    assert (b.guidance_token, b.timestep_r_token, b.sequence_template, b.max_length) == (True, True, "instruct", 300)
+    seq = b.dit_sequence("a cat", [], None, "", 16)
+    gen = seq.gen_image
+    assert seq.cfg_distilled and (gen.guidance_index, gen.timestep_r_index) == (gen.timestep_index + 1,
+                                                                                gen.timestep_index + 2)
+    base = SequenceBuilder.from_config(tok, SimpleNamespace(image_base_size=256), GenerationConfig())
+    assert (base.guidance_token, base.sequence_template) == (False, "pretrain")

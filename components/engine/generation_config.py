@@ -100,3 +100,12 @@ def tiny_generation_config() -> GenerationConfig:
                             use_system_prompt="en_unified", sequence_template="instruct", max_new_tokens=32,
                             do_sample=True, temperature=0.6, top_k=1024, top_p=0.95, drop_think=False,
                             max_length=4096)
+
+
+def write_generation_config_file(directory: str | Path, config: GenerationConfig | None = None) -> Path:
+    """Write `generation_config.json` (official keys) for a checkpoint directory; the tiny preset's
+    config unless one is given."""
+    path = Path(directory) / "generation_config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps((config or tiny_generation_config()).to_dict(), indent=2, sort_keys=True) + "\n")
+    return path
