@@ -64,10 +64,11 @@ class ViTProcessorSettings:
 
     @classmethod
     def from_config(cls, config) -> "ViTProcessorSettings":
-        """From `config.vit_processor` (the checkpoint's key) when the config has it, else from
-        `config.vit` (`ViTConfig.patch_size`, `.max_num_patches`)."""
+        """From the checkpoint's `vit_processor` dict (`config.vit_processor`, or kept verbatim in
+        `config.extra`) where it has a key, else from `config.vit` (`patch_size`, `max_num_patches`)."""
         vit = getattr(config, "vit", config)
-        proc = getattr(config, "vit_processor", None) or {}
+        proc = getattr(config, "vit_processor", None) or (getattr(config, "extra", None) or {}).get("vit_processor") \
+            or {}
         if not isinstance(proc, dict):
             proc = vars(proc)
         resample = proc.get("resample", 2)
