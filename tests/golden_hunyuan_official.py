@@ -212,4 +212,24 @@ GOLDEN = {
     # tokenizer start_ratio_token_id, end_ratio_token_id, ratio_token_other_slices[0] (tiny tokenizer ids)
     'ratio_slices':
         [30, 62, [63, 67]],
+    # decode(ids) of random tiny-tokenizer ids, then encode(decode(ids), add_special_tokens=False), as
+    # generate_image decodes the CoT and apply_chat_template re-encodes it: [ids, text, re-encoded ids]
+    'decode_reencode':
+        [[[137, 582, 64, 261, 120, 507, 460, 483, 667, 388, 214, 96],
+          'g sunset<img_ratio_34>\x06Vandscapehotoandscapshot in�>',
+          [137, 582, 64, 261, 120, 507, 460, 483, 667, 388, 238, 190, 188, 96]],
+         [[499, 29, 399, 443, 622, 2, 456, 272, 234, 605, 104, 325],
+          'quest<img_size_1024>ofromgarden<boi>help\x11�backgroundF a',
+          [499, 29, 399, 443, 622, 2, 456, 272, 238, 190, 188, 605, 104, 325]],
+         [[31, 22, 26, 665, 554, 9, 390, 221, 432, 29, 540, 227],
+          '<img_ratio_1></recaption></quad>style request<audio> and�night<img_size_1024> bird�',
+          [31, 22, 26, 665, 554, 9, 390, 238, 190, 188, 432, 29, 540, 238, 190, 188]],
+         [[448, 507, 566, 238, 353, 236, 224, 470, 296, 22, 426, 569],
+          'upandscape dark�on��lose�</recaption>kground golden',
+          [448, 507, 566, 238, 190, 188, 353, 238, 190, 188, 238, 190, 188, 470, 238, 190, 188, 22, 426, 569]],
+         [[657, 102, 190, 644, 303, 123, 340, 512, 432, 519, 194, 310], 'intoD�that�Yri Thenight riverÕ',
+          [657, 102, 238, 190, 188, 644, 238, 190, 188, 123, 340, 512, 432, 519, 194, 310]],
+         [[290, 601, 511, 517, 402, 603, 35, 491, 248, 413, 424, 177],
+          '�about Assistant horseserboat<img_ratio_5>ilver�ditict�',
+          [238, 190, 188, 601, 511, 517, 402, 603, 35, 491, 238, 190, 188, 413, 424, 238, 190, 188]]],
 }

@@ -371,3 +371,12 @@ def test_prompt_kv_validate():
         kv(rows=4).validate()
     with pytest.raises(ValueError, match="non-empty"):
         kv(layers=0).validate()
+
+
+def test_cot_decode_and_reencode_are_the_official_ones(tok):
+    """The DiT re-encodes the decoded CoT: decode (special tokens written out, broken UTF-8 as U+FFFD) and
+    encode give the official tokenizer's results, including where re-encoding changes the ids."""
+    for ids, text, reencoded in GOLDEN["decode_reencode"]:
+        assert tok.decode(ids) == text
+        assert tok.encode(text) == reencoded
+    assert any(ids != reencoded for ids, _, reencoded in GOLDEN["decode_reencode"])
