@@ -14,7 +14,7 @@ def main(device: str = "cuda", dtype: str = "float32") -> None:
     eng = Engine.load("tiny", device=device, dtype=dtype)
     ar = eng.generate_ar([ARRequest("t2i", "make the sky purple", [])], SamplingParams(max_new_tokens=16))[0]
     dit = eng.dit
-    seq = dit.builder.dit_sequence(ar.user_text, ar.cond_images, ar.assistant_ids, ar.system_prompt, ar.ratio_index)
+    seq = ar.dit_sequence(dit.builder)
     for backend in ("default", "math"):
         ctx = (torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]) if backend == "math"
                else torch.enable_grad())

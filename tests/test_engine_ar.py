@@ -1,4 +1,5 @@
-"""AR stage: batching vs one row at a time, stage transitions, ratio tokens, determinism, and the
+"""AR stage: batching vs one row at a time, the official stage transitions / stop tokens / ratio slice,
+the budget, the official cot_text, text-only answers, generation-config defaults, determinism, and the
 AROutput record round trip (tiny config, CPU, fp32)."""
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import torch
 
 from components.engine import AROutput, ARRequest, DiTRequest, SamplingParams
 from components.engine.ar import ARGenerator
+from components.engine.generation_config import tiny_generation_config
+from components.engine.system_prompts import TINY_SYSTEM_PROMPTS
 
 from .test_engine_helpers import psnr, random_image, stub_vae_decode, tiny_engine
 
 IMG = random_image(160, 96, seed=1)
-GREEDY = SamplingParams(max_new_tokens=8)
-SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=8)
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=12)
 
 
 def _requests(bot_task="think_recaption"):
@@ -81,130 +84,213 @@ def test_batched_kv_export_equals_single_row_export(runs, mode):
         assert kb.keys[0].abs().max() > 0.1  # real data, not zeros
 
 
-def test_ar_prompt_is_prefix_of_dit_sequence(engine, runs):
-    """Segment-wise tokenisation: what the AR prefilled is exactly the DiT sequence's start (#3499)."""
+def test_exported_kv_is_the_common_prefix_of_ar_and_dit(engine, runs):
+    """The K/V the AR exports belongs to tokens the AR fed that are also the DiT sequence's tokens."""
     for out in runs["greedy"][0] + runs["sampled"][0]:
-        seq = engine.builder.dit_sequence(out.user_text, out.cond_images, out.assistant_ids, out.system_prompt,
-                                          out.ratio_index)
-        assert seq.cond_ids[:len(out.prompt_ids)] == out.prompt_ids
-        assert seq.cond_ids[seq.assistant_start:seq.gen_image.timestep_index] == out.assistant_ids
-        assert out.prompt_kv.token_ids == seq.cond_ids[:seq.pos_reuse_len]
-        assert out.prompt_ids + out.generated_ids == seq.cond_ids[:seq.gen_image.timestep_index]
+        seq = out.dit_sequence(engine.builder)
+        n = out.prompt_kv.pos_reuse_len
+        assert out.prompt_kv.token_ids == seq.cond_ids[:n] == out.fed_ids[:n]
+        assert n == seq.pos_reuse_len <= seq.reuse_boundary
+        if out.reencode_diff_at is None:
+            assert n == seq.reuse_boundary
+        else:
+            assert n == out.reencode_diff_at and out.fed_ids[n] != seq.cond_ids[n]
 
 
 def test_mixed_bot_tasks_in_one_batch(engine):
     """The first row has the shortest stage list (overflowed the KV cache before 0c533ac)."""
     reqs = [ARRequest("img", "a cat", [], bot_task="image"),
             ARRequest("tr", "a red dog", [], bot_task="think_recaption"),
+            ARRequest("txt", "hello", [], bot_task="auto"),
             ARRequest("th", "a blue boat on the sea", [], bot_task="think")]
     batched = engine.generate_ar(reqs, GREEDY)
-    lengths = [len(b.generated_ids) for b in batched]
-    assert lengths[0] == 1 and len(set(lengths)) == 3  # rows finish at different steps
+    assert len(batched[0].generated_ids) == 1  # the one-token ratio pass
     for b, r in zip(batched, reqs):
         s = engine.generate_ar([r], GREEDY)[0]
-        assert b.generated_ids == s.generated_ids
+        assert b.generated_ids == s.generated_ids and b.answer_text == s.answer_text
+        if b.prompt_kv is None:
+            assert r.bot_task == "auto" and s.prompt_kv is None
+            continue
         assert b.prompt_kv.token_ids == s.prompt_kv.token_ids
         for x, y in zip(b.prompt_kv.keys + b.prompt_kv.values, s.prompt_kv.keys + s.prompt_kv.values):
             assert (x - y).abs().max().item() <= 1e-5
 
 
-# --------------------------------------------------------------------------- stage transitions
-def _split_stages(tok, generated, bot_task):
-    """Check the stage structure of `generated` by hand; return the CoT segments."""
-    answer = [tok.answer, tok.boi, tok.size_id(256)]
-    assert generated[-1] in tok.ratio_ids
-    assert sum(t in tok.ratio_ids for t in generated) == 1  # exactly one ratio token, last
-    if bot_task == "image":  # the prompt already ends with the answer prefix: only the ratio token
-        assert len(generated) == 1
-        return []
-    assert generated[-4:-1] == answer  # forced after the final end tag
-    body = generated[:-4]
-    if bot_task == "think_recaption":
-        i = body.index(tok.think_end)
-        assert body[i + 1] == tok.recaption  # forced right after </think>
-        assert body[-1] == tok.recaption_end
-        segs = [body[:i], body[i + 2:-1]]
-    else:
-        end = tok.think_end if bot_task == "think" else tok.recaption_end
-        assert body[-1] == end
-        segs = [body[:-1]]
-    for seg in segs:
-        assert not set(seg) & tok.special_ids  # CoT text never contains special tokens
-    return segs
+# --------------------------------------------------------------------------- the official flow, scripted
+def _script(monkeypatch, tokens):
+    """Replace the sampler by a script: the given tokens in order, then a plain word forever.
+    Forced tokens and the greedy ratio choice do not go through the sampler (they never consume it)."""
+    it = iter(tokens)
+    calls = []
 
-
-@pytest.fixture(scope="module")
-def per_task(engine):
-    """Greedy T2I outputs for every bot_task (two rows each)."""
-    return {bt: engine.generate_ar([ARRequest(f"{bt}-0", "a cat", [], bot_task=bt),
-                                    ARRequest(f"{bt}-1", "a blue boat on the sea", [], bot_task=bt)], GREEDY)
-            for bt in ["think_recaption", "think", "recaption", "image"]}
-
-
-@pytest.mark.parametrize("bot_task", ["think_recaption", "think", "recaption", "image"])
-def test_stage_transitions(engine, per_task, bot_task):
-    tok = engine.tokenizer
-    trigger = {"think_recaption": [tok.think], "think": [tok.think], "recaption": [tok.recaption],
-               "image": [tok.answer, tok.boi, tok.size_id(256)]}[bot_task]
-    for out in per_task[bot_task]:
-        assert out.prompt_ids[-len(trigger):] == trigger
-        segs = _split_stages(tok, out.generated_ids, bot_task)
-        assert all(len(s) <= GREEDY.max_new_tokens for s in segs)
-        assert out.assistant_ids == trigger + out.generated_ids
-        assert out.ratio_index == tok.ratio_ids.index(out.generated_ids[-1])
-        assert out.image_size == engine.builder.resolutions.size(out.ratio_index)
-        assert out.cot_text == tok.decode([t for s in segs for t in s])
-
-
-def _patched_sampler(monkeypatch, tok, end_after=None):
-    """Replace the sampler: always a plain word token, or the stage's end tag after `end_after` tokens."""
-    word = tok.encode("cat")[0]
-    state = {"n": 0}
-
-    def fake(self, logits, end_tag, sampling, generator):
-        state["n"] += 1
-        if end_after is not None and state["n"] > end_after:
-            state["n"] = 0
-            return end_tag
-        return word
+    def fake(self, logits, sampling, generator):
+        token = next(it, None)
+        calls.append(token)
+        return token if token is not None else self.tok.encode("cat")[0]
 
     monkeypatch.setattr(ARGenerator, "_sample", fake)
-    return word
+    return calls
 
 
-def test_cot_budget_forces_end_tag(engine, monkeypatch):
+def _words(tok, text):
+    return tok.encode(text)
+
+
+def test_think_recaption_stage_transitions(engine, monkeypatch):
+    """</think> -> forced <recaption>; </recaption> -> forced <answer><boi><img_size_B>; then the greedy
+    ratio choice ends the row. cot_text = "<think>" + decode(tokens through </recaption>)."""
     tok = engine.tokenizer
-    word = _patched_sampler(monkeypatch, tok)
-    out = engine.generate_ar([ARRequest("b", "a cat", [], bot_task="think_recaption")],
-                             SamplingParams(max_new_tokens=5))[0]
-    segs = _split_stages(tok, out.generated_ids, "think_recaption")
-    assert segs == [[word] * 5, [word] * 5]  # never ends by itself: cut at the budget, end tag forced
-    assert out.generated_ids[5] == tok.think_end and out.generated_ids[12] == tok.recaption_end
+    think, recap = _words(tok, "a red cat"), _words(tok, "a cat on a boat")
+    _script(monkeypatch, think + [tok.think_end] + recap + [tok.recaption_end])
+    out = engine.generate_ar([ARRequest("tr", "a cat", [], bot_task="think_recaption")],
+                             SamplingParams(temperature=0, max_new_tokens=64))[0]
+    g = out.generated_ids
+    body = think + [tok.think_end, tok.recaption] + recap + [tok.recaption_end]
+    assert g[:-1] == body + [tok.answer, tok.boi, tok.size_id(256)]
+    assert g[-1] in tok.ratio_choice_ids and out.ratio_index == tok.ratio_ids.index(g[-1])
+    assert out.image_size == engine.builder.resolutions.size(out.ratio_index)
+    assert out.cot_text == "<think>" + tok.decode(body) == \
+        "<think>a red cat</think><recaption>a cat on a boat</recaption>"
+    assert out.prompt_ids[-1] == tok.think  # the AR prompt ends with "Assistant: <think>"
+    seq = out.dit_sequence(engine.builder)
+    assert seq.cond_ids[len(out.prompt_ids) - 1:seq.gen_image.timestep_index] == [tok.think] + g[:-1] + [g[-1]]
 
 
-def test_cot_stage_ends_on_sampled_end_tag(engine, monkeypatch):
+def test_a_sampled_ratio_token_stops_the_row(engine, monkeypatch):
+    """Official final stop tokens: any ratio token, even one the model writes inside its CoT."""
     tok = engine.tokenizer
-    word = _patched_sampler(monkeypatch, tok, end_after=2)
+    _script(monkeypatch, _words(tok, "a cat") + [tok.ratio_ids[35]])
+    out = engine.generate_ar([ARRequest("early", "a cat", [], bot_task="think_recaption")], GREEDY)[0]
+    assert out.generated_ids == _words(tok, "a cat") + [tok.ratio_ids[35]]
+    assert out.ratio_index == 35 and out.image_size == (1024, 768)  # the official extra bucket, H1024 x W768
+    # no end tag: the official cot_text keeps every generated token; it is one <answer>-wrapped text
+    assert out.cot_text == "<think>a cat<img_ratio_35>"
+
+
+def test_end_tag_inside_think_goes_straight_to_the_answer(engine, monkeypatch):
+    """think_recaption: the model writes </recaption> before </think>: its transition fires (official)."""
+    tok = engine.tokenizer
+    _script(monkeypatch, _words(tok, "a cat") + [tok.recaption_end])
+    out = engine.generate_ar([ARRequest("jump", "a cat", [], bot_task="think_recaption")], GREEDY)[0]
+    assert out.generated_ids[:-1] == _words(tok, "a cat") + [tok.recaption_end, tok.answer, tok.boi,
+                                                                tok.size_id(256)]
+    assert out.cot_text == "<think>a cat</recaption>"
+
+
+@pytest.mark.parametrize("bot_task,trigger,end", [("think", "<think>", "</think>"),
+                                                  ("recaption", "<recaption>", "</recaption>")])
+def test_single_stage_tasks(engine, monkeypatch, bot_task, trigger, end):
+    tok = engine.tokenizer
+    words = _words(tok, "a red cat")
+    _script(monkeypatch, words + [tok.token_id(end)])
+    out = engine.generate_ar([ARRequest("s", "a cat", [], bot_task=bot_task)], GREEDY)[0]
+    assert out.generated_ids[:-1] == words + [tok.token_id(end), tok.answer, tok.boi, tok.size_id(256)]
+    assert out.cot_text == f"{trigger}a red cat{end}"
+    assert out.prompt_ids[-1] == tok.token_id(trigger)
+
+
+def test_budget_counts_every_generated_token_and_closes_the_cot(engine, monkeypatch):
+    """max_new_tokens bounds all generated tokens (HF generate); when only the closing tokens still fit
+    they are forced (ardit: the official code would fail for want of a ratio token)."""
+    tok = engine.tokenizer
+    calls = _script(monkeypatch, [])  # the model never ends a stage by itself
+    word = tok.encode("cat")[0]
     out = engine.generate_ar([ARRequest("b", "a cat", [], bot_task="think_recaption")],
-                             SamplingParams(max_new_tokens=5))[0]
-    assert _split_stages(tok, out.generated_ids, "think_recaption") == [[word] * 2, [word] * 2]
+                             SamplingParams(temperature=0, max_new_tokens=10))[0]
+    g = out.generated_ids
+    assert len(g) == 10
+    assert g[:-1] == [word] * 3 + [tok.think_end, tok.recaption, tok.recaption_end, tok.answer, tok.boi,
+                                   tok.size_id(256)]
+    assert g[-1] in tok.ratio_choice_ids and len(calls) == 3  # only the 3 free tokens were sampled
 
 
-def test_fixed_image_size_forces_ratio_token(engine, per_task):
-    tok, groups = engine.tokenizer, engine.builder.resolutions
-    auto = per_task["think"][0]
-    sizes = [s for s in [(256, 192), (128, 512), (512, 128)] if groups.index_of(*s) != auto.ratio_index][:2]
-    for size in sizes:  # sizes other than what the model picks by itself
-        k = groups.index_of(*size)
-        out = engine.generate_ar([ARRequest("think-0", "a cat", [], image_size=size, bot_task="think")], GREEDY)[0]
-        assert out.generated_ids[-1] == tok.ratio_ids[k]
-        assert out.ratio_index == k and out.image_size == size
-        assert out.generated_ids[:-1] == auto.generated_ids[:-1]  # only the ratio token changes
+def test_zero_budget_gives_empty_cot(engine):
+    tok = engine.tokenizer
+    out = engine.generate_ar([ARRequest("z", "a cat", [], bot_task="think_recaption")],
+                             SamplingParams(temperature=0, max_new_tokens=0))[0]
+    assert out.generated_ids[:-1] == [tok.think_end, tok.recaption, tok.recaption_end, tok.answer, tok.boi,
+                                      tok.size_id(256)]
+    assert out.cot_text == "<think></think><recaption></recaption>"
+    seq = out.dit_sequence(engine.builder)
+    assert out.prompt_kv.pos_reuse_len == seq.cond_ids.index(tok.recaption_end, seq.assistant_start)
 
 
-def test_unsupported_image_size_raises(engine):
-    with pytest.raises(ValueError, match="300x300 is not a supported bucket"):
-        engine.generate_ar([ARRequest("x", "a cat", [], image_size=(300, 300))], GREEDY)
+# --------------------------------------------------------------------------- sizes
+def test_fixed_size_stops_at_the_end_tag_and_maps_any_ratio(engine, monkeypatch):
+    """Official: with an explicit size the CoT stops at its end tag (no answer prefix, no ratio token), and
+    the size goes to the nearest-ratio bucket; ardit's WxH (300x300) is accepted for any ratio."""
+    tok = engine.tokenizer
+    _script(monkeypatch, _words(tok, "a cat") + [tok.think_end] + _words(tok, "a dog") + [tok.recaption_end])
+    out = engine.generate_ar([ARRequest("fixed", "a cat", [], image_size=(300, 300),
+                                        bot_task="think_recaption")], GREEDY)[0]
+    assert out.generated_ids[-1] == tok.recaption_end
+    assert not set(out.generated_ids) & set(tok.ratio_ids) and tok.answer not in out.generated_ids
+    assert out.ratio_index == 16 and out.image_size == (256, 256)
+    wide = engine.generate_ar([ARRequest("wide", "a cat", [], image_size="1280x720", bot_task="image")], GREEDY)[0]
+    assert wide.generated_ids == [] and wide.ratio_index == 36 and wide.image_size == (1280, 720)
+    assert wide.prompt_kv is not None  # the prompt is still prefilled for the DiT to reuse
+
+
+def test_image_task_picks_the_ratio_greedily_among_the_official_slices(engine):
+    out = engine.generate_ar([ARRequest("img", "a cat", [], bot_task="image")], SAMPLED)[0]
+    assert len(out.generated_ids) == 1 and out.generated_ids[0] in engine.tokenizer.ratio_choice_ids
+    again = engine.generate_ar([ARRequest("img", "a cat", [], bot_task="image", seed=99)], SAMPLED)[0]
+    assert again.generated_ids == out.generated_ids  # greedy: not sampled
+
+
+# --------------------------------------------------------------------------- text answers
+def test_auto_is_a_text_answer_until_the_stop_token(engine, monkeypatch):
+    tok = engine.tokenizer
+    words = _words(tok, "a red cat")
+    _script(monkeypatch, words + [tok.eos])
+    out = engine.generate_ar([ARRequest("t2t", "what is red?", [], bot_task="auto")], GREEDY)
+    _script(monkeypatch, [])  # never stops by itself
+    out += engine.generate_ar([ARRequest("i2t", "describe it", [IMG], bot_task="auto")], GREEDY)
+    assert out[0].is_text_only and out[0].generated_ids == words + [tok.eos]
+    assert out[0].answer_text == "a red cat" and out[0].prompt_kv is None
+    assert out[0].ratio_index == -1 and out[0].cot_text == ""
+    assert tok.decode(out[0].prompt_ids[-3:]).endswith("Assistant: ")
+    assert out[1].is_text_only and len(out[1].generated_ids) == GREEDY.max_new_tokens  # budget, no stop
+    with pytest.raises(ValueError, match="text answer"):
+        out[0].dit_sequence(engine.builder)
+
+
+# --------------------------------------------------------------------------- generation config + prompts
+def test_defaults_come_from_the_generation_config(engine, monkeypatch):
+    tok = engine.tokenizer
+    _script(monkeypatch, [])
+    gc = tiny_generation_config().with_overrides(max_new_tokens=11, bot_task="recaption",
+                                                 use_system_prompt="en_vanilla")
+    ar = ARGenerator(engine.model, tok, engine.builder, generation_config=gc)
+    out = ar([ARRequest("d", "a cat")])[0]
+    assert out.bot_task == "recaption" and len(out.generated_ids) == 11
+    assert out.system_prompt == TINY_SYSTEM_PROMPTS["en_vanilla"].strip()
+    assert out.prompt_ids[1:1 + len(tok.encode(out.system_prompt))] == tok.encode(out.system_prompt)
+    # request values win over the config
+    none = ar([ARRequest("n", "a cat", system_prompt="none", bot_task="image")])[0]
+    assert none.system_prompt == "" and none.prompt_ids[1:3] == tok.encode("User: ")[:2]
+    custom = ar([ARRequest("c", "a cat", system_prompt="  Draw well.  ", bot_task="image")])[0]
+    assert custom.system_prompt == "Draw well."
+
+
+def test_sampling_params_resolve_against_the_config():
+    gc = tiny_generation_config()
+    s = SamplingParams(top_k=5).resolved(gc)
+    assert (s.temperature, s.top_k, s.top_p, s.max_new_tokens) == (0.6, 5, 0.95, 32) and not s.greedy
+    assert SamplingParams(temperature=0).resolved(gc).greedy
+    assert SamplingParams().resolved(gc.with_overrides(do_sample=False)).greedy
+
+
+def test_image_structure_tokens_in_a_prompt_fail_the_row(engine):
+    with pytest.raises(ValueError, match="request bad: prompt contains the image-structure token '<img>'"):
+        engine.generate_ar([ARRequest("bad", "make the sky <img> purple")], GREEDY)
+
+
+def test_tags_in_a_prompt_are_special_tokens(engine):
+    """As the official tokenizer: "</think>" typed in a prompt is the </think> token (no longer text)."""
+    tok = engine.tokenizer
+    out = engine.generate_ar([ARRequest("tags", "make </think> the sky", [], bot_task="image")], GREEDY)[0]
+    assert tok.think_end in out.prompt_ids
 
 
 # --------------------------------------------------------------------------- determinism + record
@@ -239,9 +325,11 @@ def test_record_round_trip_gives_the_same_image(engine, edit_out, edit_dit):
     assert back.prompt_kv is None
     assert back.to_record() == rec
     for name in ["id", "user_text", "system_prompt", "bot_task", "cond_images", "prompt_ids", "generated_ids",
-                 "assistant_ids", "cot_text", "ratio_index", "image_size"]:
+                 "cot_text", "ratio_index", "image_size", "drop_think", "infer_align_image_size", "answer_text",
+                 "reencode_diff_at"]:
         assert getattr(back, name) == getattr(edit_out, name), name
     assert isinstance(back.image_size, tuple) and isinstance(back.cond_images[0].vit_grid, tuple)
+    assert back.cond_images[0].orig_width == IMG.width and back.cond_images[0].orig_height == IMG.height
     # reuse with the KV that travelled separately: bitwise the same image
     res = engine.dit(DiTRequest(back, [IMG], edit_out.prompt_kv, steps=4, guidance_scale=5.0, seed=5))
     assert res.kv_path == "reuse"
@@ -254,16 +342,15 @@ def test_record_round_trip_gives_the_same_image(engine, edit_out, edit_dit):
     assert psnr(rec_only.image, edit_dit.image) >= 60
 
 
-def test_zero_cot_budget_gives_empty_cot(engine):
-    tok = engine.tokenizer
-    out = engine.generate_ar([ARRequest("z", "a cat", [], bot_task="think_recaption")],
-                             SamplingParams(max_new_tokens=0))[0]
-    assert out.generated_ids[:-1] == [tok.think_end, tok.recaption, tok.recaption_end, tok.answer, tok.boi,
-                                      tok.size_id(256)]
-    assert out.cot_text == ""
-    seq = engine.builder.dit_sequence(out.user_text, out.cond_images, out.assistant_ids, out.system_prompt,
-                                      out.ratio_index)
-    assert out.prompt_kv.pos_reuse_len == seq.cond_ids.index(tok.recaption_end)
+def test_record_without_the_new_fields_still_loads(edit_out):
+    rec = edit_out.to_record()
+    for name in ("drop_think", "infer_align_image_size", "answer_text", "reencode_diff_at"):
+        rec.pop(name)
+    for c in rec["cond_images"]:
+        c.pop("orig_width"), c.pop("orig_height")
+    rec["assistant_ids"] = [1, 2]  # a field of older records: ignored
+    back = AROutput.from_record(rec)
+    assert back.cot_text == edit_out.cot_text and back.answer_text == "" and back.reencode_diff_at is None
 
 
 class _DeepcopyProbe:
@@ -279,16 +366,8 @@ def test_to_record_does_not_copy_the_kv():
     from components.engine.sequence import CondImage
 
     kv = PromptKV([torch.zeros(3, 2, 16)], [torch.zeros(3, 2, 16)], [1, 2, 3], 3, 2, meta={"probe": _DeepcopyProbe()})
-    out = AROutput("r", "a cat", "", "image", [CondImage(2, 3, 20, (2, 2), 5)], [1, 2, 3], [20], [1, 20], "",
-                   0, (512, 128), prompt_kv=kv)
+    out = AROutput("r", "a cat", "", "image", [CondImage(2, 3, 20, (2, 2), 5)], [1, 2, 3], [20], "", 0, (512, 128),
+                   prompt_kv=kv)
     rec = out.to_record()
     assert "prompt_kv" not in rec and rec["cond_images"][0]["vit_grid"] == (2, 2)
     assert _DeepcopyProbe.copies == 0
-
-
-def test_special_token_strings_in_a_prompt_stay_text(engine):
-    """A user cannot inject control tokens: "<cfg>" / "</think>" in a prompt are plain text."""
-    tok = engine.tokenizer
-    ids = tok.encode("make <cfg> the </think> sky <img>")
-    assert not {tok.cfg, tok.think_end, tok.img} & set(ids)
-    assert tok.decode(ids) == "make <cfg> the </think> sky <img>"

@@ -11,7 +11,7 @@ from components.engine import ARRequest, DiTRequest, SamplingParams
 from .test_engine_helpers import random_image, stub_vae_decode, tiny_engine
 
 IMG = random_image(160, 96, seed=1)
-GREEDY = SamplingParams(max_new_tokens=8)
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,7 @@ def _no_decode(monkeypatch):
 
 
 def _seq(engine, out):
-    return engine.builder.dit_sequence(out.user_text, out.cond_images, out.assistant_ids, out.system_prompt,
-                                       out.ratio_index)
+    return out.dit_sequence(engine.builder)
 
 
 def test_cfg_rows_are_cond_then_uncond_and_combined_with_guidance(engine):
@@ -65,8 +64,8 @@ def test_reuse_edge_cases(engine, edge_outputs, case):
     seq = _seq(engine, out)
     if case == "no_system_prompt":  # L_neg degenerates to BOS + "User: "
         assert kv.neg_reuse_len == 1 + len(tok.encode("User: "))
-    elif case == "empty_user_text":  # the first <cfg> is the first CoT token
-        assert kv.neg_reuse_len == seq.assistant_start + 1 and seq.uncond_ids[kv.neg_reuse_len] == tok.cfg
+    elif case == "empty_user_text":  # the first <cfg> is in the assistant turn (the CoT text)
+        assert kv.neg_reuse_len > seq.assistant_start and seq.uncond_ids[kv.neg_reuse_len] == tok.cfg
     else:  # nothing to mask: the rows share everything up to <answer>
         assert seq.cond_ids == seq.uncond_ids and kv.neg_reuse_len == kv.pos_reuse_len
     a = engine.dit(DiTRequest(out, [], kv, steps=3, guidance_scale=5.0, seed=2))

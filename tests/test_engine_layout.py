@@ -106,7 +106,7 @@ def test_builder_sequence_positions_and_blocks():
     tok = load_tokenizer(None)
     b = SequenceBuilder(tok, 256)
     im = CondImage(latent_h=2, latent_w=3, ratio_index=20, vit_grid=(2, 2), vit_len=5)
-    seq = b.dit_sequence("a cat", [im], [tok.answer, tok.boi, tok.size_id(256)], "", 16)
+    seq = b.dit_sequence("a cat", [im], None, "", 16)
     pos, blocks = seq.positions(), seq.block_ids()
     c, g = seq.cond_images[0], seq.gen_image
     L = c.start
@@ -119,7 +119,7 @@ def test_builder_sequence_positions_and_blocks():
     assert pos[G + 256].tolist() == [G + 256, G + 256]  # <eoi> resumes at L + w*h
     assert blocks[c.timestep_index] == -1 and blocks[g.timestep_index] == -1
     assert blocks[c.start:c.end].eq(0).all() and blocks[c.end] == -1
-    assert blocks[g.start:g.end].eq(1).all() and g.end == len(seq) - 2
+    assert blocks[g.start:g.end].eq(1).all() and seq.cond_ids[g.end:g.end + 2] == [tok.eoi, tok.answer_end]
     # the DiT's per-step mask (queries <timestep> + image): <timestep> sees only the prefix and itself
     q = torch.arange(g.timestep_index, g.end).unsqueeze(0)
     k = torch.arange(g.end).unsqueeze(0)

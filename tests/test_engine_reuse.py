@@ -31,6 +31,7 @@ CASES = {
     "it2i_2": ("put the dog from the second image into the first", [IMG_WIDE, IMG_TALL]),
 }
 STEPS = 4
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
 GUIDANCE = 5.0
 LATENT_TOL = 1e-4
 PSNR_MIN = 60.0
@@ -48,7 +49,7 @@ def ar_outputs(engine):
     for bot_task in BOT_TASKS:
         reqs = [ARRequest(f"{bot_task}-{case}", prompt, images, bot_task=bot_task)
                 for case, (prompt, images) in CASES.items()]
-        for case, out in zip(CASES, engine.generate_ar(reqs, SamplingParams(max_new_tokens=8))):
+        for case, out in zip(CASES, engine.generate_ar(reqs, GREEDY)):
             outs[(bot_task, case)] = out
     return outs
 
@@ -79,8 +80,7 @@ def no_decode(monkeypatch):
 
 
 def _seq(engine, out):
-    return engine.builder.dit_sequence(out.user_text, out.cond_images, out.assistant_ids, out.system_prompt,
-                                       out.ratio_index)
+    return out.dit_sequence(engine.builder)
 
 
 def _reuse(engine, out, kv, images, dit: DiTGenerator | None = None, steps: int = STEPS):
@@ -99,11 +99,15 @@ def test_reuse_matches_recompute(engine, ar_outputs, recomputed, bot_task, case)
     assert len(out.cond_images) == len(images)
     tok = engine.tokenizer
     seq = _seq(engine, out)
-    # the KV covers exactly the prefix before the boundary tag of this bot_task
-    boundary_tag = {"think_recaption": tok.recaption_end, "think": tok.think_end,
-                    "recaption": tok.recaption_end, "image": tok.answer}[bot_task]
-    assert seq.cond_ids[kv.pos_reuse_len] == boundary_tag
-    assert kv.token_ids == seq.cond_ids[:kv.pos_reuse_len]
+    # the KV covers the DiT prefix the AR computed: up to the official boundary tag (</recaption>, else
+    # </think>; <answer> without CoT), or less where the re-encoded CoT left the AR's tokens
+    assert seq.cond_ids[seq.reuse_boundary] in (tok.recaption_end, tok.think_end, tok.answer)
+    if out.reencode_diff_at is None:
+        assert kv.pos_reuse_len == seq.reuse_boundary
+    else:
+        assert kv.pos_reuse_len == out.reencode_diff_at < seq.reuse_boundary
+        assert out.fed_ids[kv.pos_reuse_len] != seq.cond_ids[kv.pos_reuse_len]
+    assert kv.token_ids == seq.cond_ids[:kv.pos_reuse_len] == out.fed_ids[:kv.pos_reuse_len]
     if images:  # the conditioning images are inside the reused prefix
         assert seq.cond_images[-1].end < kv.neg_reuse_len
 
@@ -132,6 +136,68 @@ def test_reuse_without_cfg_matches_recompute(engine, ar_outputs, no_decode):
     b = engine.dit(DiTRequest(out, images, None, steps=STEPS, guidance_scale=1.0, seed=7))
     assert a.kv_path == "reuse" and b.kv_path == "recompute"
     assert (a.latents - b.latents).abs().max().item() <= LATENT_TOL
+
+
+def _reuse_vs_recompute(engine, out, images, guidance=GUIDANCE):
+    a = engine.dit(DiTRequest(out, images, out.prompt_kv, steps=STEPS, guidance_scale=guidance, seed=7))
+    b = engine.dit(DiTRequest(out, images, None, steps=STEPS, guidance_scale=guidance, seed=7))
+    assert (a.kv_path, b.kv_path) == ("reuse", "recompute"), a.kv_reason
+    assert b.latents.abs().max() > 0.5
+    return (a.latents - b.latents).abs().max().item()
+
+
+def test_reencoded_cot_reuses_the_common_prefix(engine, monkeypatch, no_decode):
+    """The AR writes a CoT in single-character tokens; the DiT re-encodes its text (official), so its
+    tokens differ from the AR's inside the CoT. The AR's K/V is reused up to the first difference and
+    the rest is recomputed: still equal to recompute."""
+    from components.engine.ar import ARGenerator
+
+    tok = engine.tokenizer
+    chars = [tok.token_id(c) for c in "cat"]
+    assert None not in chars and tok.encode("cat") != chars  # "cat" has a merged token
+    script = iter(chars + [tok.think_end] + chars + [tok.recaption_end])
+    monkeypatch.setattr(ARGenerator, "_sample", lambda self, logits, sampling, generator: next(script))
+    out = engine.generate_ar([ARRequest("reenc", "make the sky purple", [IMG_WIDE])],
+                             SamplingParams(temperature=0, max_new_tokens=64))[0]
+    assert out.cot_text == "<think>cat</think><recaption>cat</recaption>"
+    seq = _seq(engine, out)
+    first_cot = len(out.prompt_ids)  # the AR prompt ends with <think>; the CoT comes next
+    assert out.reencode_diff_at == first_cot
+    assert out.prompt_kv.pos_reuse_len == first_cot < seq.reuse_boundary
+    assert _reuse_vs_recompute(engine, out, [IMG_WIDE]) <= LATENT_TOL
+
+
+def test_drop_think_switched_system_prompt_reuses_what_matches(engine, no_decode):
+    """drop_think: the DiT sequence has the en_recaption system prompt and no think section (official);
+    the AR's K/V matches only up to the system prompt, and reuse still equals recompute."""
+    from components.engine.ar import ARGenerator
+    from components.engine.generation_config import tiny_generation_config
+    from components.engine.system_prompts import TINY_SYSTEM_PROMPTS
+
+    ar = ARGenerator(engine.model, engine.tokenizer, engine.builder, engine.model_id,
+                     tiny_generation_config().with_overrides(drop_think=True))
+    out = ar([ARRequest("drop", "make the sky purple", [IMG_WIDE])], GREEDY)[0]
+    assert out.drop_think and out.system_prompt == TINY_SYSTEM_PROMPTS["en_recaption"]
+    assert out.cot_text.startswith("<recaption>") and "<think>" not in out.cot_text
+    seq = _seq(engine, out)
+    assert engine.tokenizer.think not in seq.cond_ids[seq.assistant_start:]
+    assert out.prompt_kv.pos_reuse_len == out.reencode_diff_at < 20  # inside the system prompt
+    assert _reuse_vs_recompute(engine, out, [IMG_WIDE]) <= LATENT_TOL
+
+
+def test_infer_align_image_size_reuse_matches_recompute(engine, no_decode):
+    """Conditioning images stretched to their bucket (official infer_align_image_size) in the AR and in
+    the DiT's recompute alike."""
+    req = ARRequest("align", "make the sky purple", [IMG_TALL], image_size=(256, 256), bot_task="recaption",
+                    infer_align_image_size=True)
+    out = engine.generate_ar([req], GREEDY)[0]
+    plain = engine.generate_ar([dataclasses.replace(req, infer_align_image_size=False)], GREEDY)[0]
+    assert out.infer_align_image_size
+    n = out.prompt_kv.neg_reuse_len  # the prefix through the conditioning image: same tokens, other pixels
+    assert out.prompt_kv.token_ids[:n] == plain.prompt_kv.token_ids[:n]
+    diff_kv = max((a[:n] - b[:n]).abs().max().item() for a, b in zip(out.prompt_kv.keys, plain.prompt_kv.keys))
+    assert diff_kv > 1e-3  # the stretched image is not the center-cropped one
+    assert _reuse_vs_recompute(engine, out, [IMG_TALL]) <= LATENT_TOL
 
 
 # --------------------------------------------------------------------------- negative controls
@@ -231,7 +297,7 @@ def test_changed_conditioning_image_changes_latents(engine, no_decode):
                 "second": [IMG_WIDE, random_image(*IMG_TALL.size, seed=99)]}
     reqs = [ARRequest(f"cond-{name}", "turn it into a watercolor painting", imgs, image_size=(256, 256),
                       bot_task="image") for name, imgs in variants.items()]
-    outs = dict(zip(variants, engine.generate_ar(reqs, SamplingParams(max_new_tokens=8))))
+    outs = dict(zip(variants, engine.generate_ar(reqs, GREEDY)))
     # identical token sequences, so any difference below comes from the pixels
     for name in ("first", "second"):
         assert outs[name].prompt_ids == outs["base"].prompt_ids

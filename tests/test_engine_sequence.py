@@ -1,19 +1,45 @@
-"""Instruct sequence layout: the <cfg> uncond row, reuse boundaries, segment-wise tokenisation
-(vLLM-Omni #3499) and the resolution buckets. Builder only: no model forward here."""
+"""Sequence layout against the official code: prompt token ids, image blocks, <cfg> rows, ratio buckets,
+reuse boundaries, segment-wise tokenisation (vLLM-Omni #3499). Builder only: no model forward here.
+
+Golden values (tests/golden_hunyuan_official.py) were produced by the official HunyuanImage-3.0 Instruct
+code at commit 4000b7f/1201fe8 of the fork suryatmodulus/HunyuanImage-3.0, on the tiny tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
 from components.engine.sequence import (
-    SYSTEM_PROMPTS,
     CondImage,
     ResolutionGroup,
     SequenceBuilder,
+    UserTextError,
     first_difference,
+    parse_image_size,
     reuse_boundary,
 )
+from components.engine.system_prompts import TINY_SYSTEM_PROMPTS, resolve_system_prompt
 from components.engine.tokenizer import load_tokenizer
+
+from .golden_hunyuan_official import GOLDEN
+
+UNIFIED = resolve_system_prompt("en_unified", "think_recaption", TINY_SYSTEM_PROMPTS)
+VANILLA = resolve_system_prompt("dynamic", "image", TINY_SYSTEM_PROMPTS)
+USER = "a red cat on a boat"
+COT_TR = "<think>The user wants a red cat.</think><recaption>a red cat on a boat at sunset</recaption>"
+COT_R = "<recaption>a purple sky over a red house</recaption>"
+# the official footprint of a 160x96 (WxH) conditioning image at base 256 (GOLDEN["cond_footprint"]),
+# with a 6x10 ViT grid padded to the tiny preset's 64 slots
+COND = CondImage(latent_h=12, latent_w=20, ratio_index=12, vit_grid=(6, 10), vit_len=64)
+
+
+def rle(ids: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for t in ids:
+        if out and out[-1][0] == t:
+            out[-1][1] += 1
+        else:
+            out.append([t, 1])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -26,129 +52,189 @@ def builder(tok):
     return SequenceBuilder(tok, 256)
 
 
-# two conditioning-image footprints of different aspect ratios (token counts are what matter)
-COND = [CondImage(latent_h=12, latent_w=20, ratio_index=12, vit_grid=(6, 10), vit_len=64),
-        CondImage(latent_h=2, latent_w=3, ratio_index=20, vit_grid=(2, 2), vit_len=5)]
-
-
-def _cot(tok, text):
-    return tok.encode(text)
-
-
-def _assistant(tok, bot_task, cot1, cot2):
-    """Assistant ids as the AR feeds them (trigger, CoT, end tags, answer prefix), written by hand."""
-    answer = [tok.answer, tok.boi, tok.size_id(256)]
+# --------------------------------------------------------------------------- golden: the official ids
+def _dit_cases(tok):
+    plain = SequenceBuilder(tok, 256)
+    distil = SequenceBuilder(tok, 256, guidance_token=True, timestep_r_token=True)
+    pretrain = SequenceBuilder(tok, 256, sequence_template="pretrain")
+    ratio_1280x720 = plain.resolutions.ratio_index(1280, 720)  # ardit WxH; the official "720x1280" HxW
     return {
-        "think_recaption": [tok.think, *cot1, tok.think_end, tok.recaption, *cot2, tok.recaption_end, *answer],
-        "think": [tok.think, *cot1, tok.think_end, *answer],
-        "recaption": [tok.recaption, *cot2, tok.recaption_end, *answer],
-        "image": answer,
-    }[bot_task]
+        "dit_think_recaption_t2i": plain.dit_sequence(USER, [], COT_TR, UNIFIED, 16),
+        "dit_recaption_it2i": plain.dit_sequence("make the sky purple", [COND], COT_R, UNIFIED, 12),
+        "dit_image_t2i": plain.dit_sequence(USER, [], None, VANILLA, ratio_1280x720),
+        "dit_distil_think_recaption": distil.dit_sequence(USER, [], COT_TR, UNIFIED, 16),
+        "dit_drop_think": plain.dit_sequence(USER, [], "<recaption>a red cat on a boat at sunset</recaption>",
+                                             TINY_SYSTEM_PROMPTS["en_recaption"], 16, drop_think=True),
+        "dit_tags_in_text": plain.dit_sequence("draw <think> a cat </recaption>", [], "<think>unfinished thought",
+                                               "", 16),
+        "dit_pretrain_image": pretrain.dit_sequence(USER, [], None, "", 16),
+    }
 
 
-def _expected_rows(tok, system, images, user, bot_task, cot1, cot2, ratio, hw):
-    """Cond and uncond rows built independently from the layout spec."""
-    cfg = tok.cfg
-    cond = [tok.bos] + (tok.encode(system) + tok.encode("\n\n") if system else []) + tok.encode("User: ")
-    uncond = list(cond)
-    for im in images:
-        block = ([tok.boi, tok.size_id(256), tok.ratio_ids[im.ratio_index], tok.timestep]
-                 + [tok.img] * (im.latent_h * im.latent_w) + [tok.joint_img_sep] + [tok.img] * im.vit_len + [tok.eoi])
-        cond += block
-        uncond += block
-    u = tok.encode(user)
-    cond += u
-    uncond += [cfg] * len(u)
-    tail = tok.encode("\n\n") + tok.encode("Assistant: ")
-    cond += tail
-    uncond += tail
-    answer = [tok.answer, tok.boi, tok.size_id(256)]
-    masked1, masked2 = [cfg] * len(cot1), [cfg] * len(cot2)
-    cond_a = {
-        "think_recaption": ([tok.think, *cot1, tok.think_end, tok.recaption, *cot2, tok.recaption_end],
-                            [tok.think, *masked1, tok.think_end, tok.recaption, *masked2, tok.recaption_end]),
-        "think": ([tok.think, *cot1, tok.think_end], [tok.think, *masked1, tok.think_end]),
-        "recaption": ([tok.recaption, *cot2, tok.recaption_end], [tok.recaption, *masked2, tok.recaption_end]),
-        "image": ([], []),
-    }[bot_task]
-    end = [tok.ratio_ids[ratio], tok.timestep] + [tok.img] * hw + [tok.eoi, tok.answer_end]
-    cond += cond_a[0] + answer + end
-    uncond += cond_a[1] + answer + end
-    return cond, uncond
+@pytest.mark.parametrize("case", ["dit_think_recaption_t2i", "dit_recaption_it2i", "dit_image_t2i",
+                                  "dit_distil_think_recaption", "dit_drop_think", "dit_tags_in_text",
+                                  "dit_pretrain_image"])
+def test_dit_sequence_is_the_official_one(tok, case):
+    seq = _dit_cases(tok)[case]
+    gold = GOLDEN[case]
+    assert rle(seq.cond_ids) == gold["rows"][0]
+    if len(gold["rows"]) == 2:  # cfg_factor 2: the official uncond row
+        assert rle(seq.uncond_ids) == gold["rows"][1]
+    else:  # Instruct-Distil: cfg_factor 1, no uncond row
+        assert seq.cfg_distilled
+    # the official scatter indices of <timestep> (generated and conditioning images), <guidance>, <timestep_r>
+    extra = gold["extra"]
+    gen = seq.gen_image
+    assert [gen.timestep_index] == extra["gen_timestep"]
+    assert [s.timestep_index for s in seq.cond_images] == extra.get("cond_timestep", [])
+    assert ([gen.guidance_index] if gen.guidance_index is not None else []) == extra.get("guidance", [])
+    assert ([gen.timestep_r_index] if gen.timestep_r_index is not None else []) == extra.get("gen_timestep_r", [])
+    assert [gen.h, gen.w] == gold["hw"]
+    assert seq.cond_ids[gen.start - 1] in (tok.timestep, tok.guidance, tok.timestep_r)
+    assert seq.cond_ids[gen.start:gen.start + gen.h * gen.w] == [tok.img] * (gen.h * gen.w)
+    assert seq.cond_ids[gen.start + gen.h * gen.w] == tok.eoi
 
 
-# --------------------------------------------------------------------------- the <cfg> row
+@pytest.mark.parametrize("case,template,user,images,bot_task,system", [
+    ("ar_think_t2i", "instruct", USER, [], "think_recaption", UNIFIED),
+    ("ar_recaption_it2i", "instruct", "make the sky purple", [COND], "recaption", UNIFIED),
+    ("ar_img_ratio_t2i", "instruct", USER, [], "image", VANILLA),
+    ("ar_auto_t2t", "instruct", "hello there", [], "auto", UNIFIED),
+    ("ar_pretrain_img_ratio", "pretrain", USER, [], "image", ""),
+])
+def test_ar_prompt_is_the_official_one(tok, case, template, user, images, bot_task, system):
+    seq = SequenceBuilder(tok, 256, sequence_template=template).ar_prompt(user, images, bot_task, system)
+    assert rle(seq.cond_ids) == GOLDEN[case]
+
+
+def test_system_prompt_tags_are_special_tokens(tok):
+    """Official tokenizer: <think>/<recaption> written in the system prompt are special tokens."""
+    ids = tok.encode(UNIFIED)
+    assert ids == GOLDEN["ids_system_en_unified"]
+    assert tok.think in ids and tok.recaption in ids
+    assert UNIFIED == GOLDEN["system_en_unified"]
+
+
+# --------------------------------------------------------------------------- golden: ratio buckets
+@pytest.mark.parametrize("base", [1024, 256])
+def test_resolution_table_is_the_official_one(base):
+    """The whole table, index -> (height, width): extras parsed as HEIGHT x WIDTH, not rescaled."""
+    g = ResolutionGroup(base)
+    assert [[r.height, r.width] for r in g.data] == GOLDEN[f"buckets_{base}"]
+    assert len(g) == 37 and all(w % 16 == 0 and h % 16 == 0 for w, h in map(g.size, range(37)))
+    # written out for base 1024, so a transposed table cannot pass by regenerating the golden file
+    if base == 1024:
+        assert g.size(16) == (1024, 1024) and g.size(0) == (2048, 512) and g.size(32) == (512, 2048)
+        assert [g.size(i) for i in range(33, 37)] == [(768, 1024), (720, 1280), (1024, 768), (1280, 720)]
+
+
+# official build_gen_image_info keys are HxW (or W:H) strings; ardit takes (width, height)
+GEN_TARGETS = {"720x1280": (1280, 720), "1280x720": (720, 1280), "1024x1024": (1024, 1024), "832x1216": (1216, 832),
+               "1216x832": (832, 1216), "768x1024": (1024, 768), "1024x768": (768, 1024), "512x2048": (2048, 512),
+               "2048x512": (512, 2048), "600x1000": (1000, 600), "1000x600": (600, 1000), "9:16": (9, 16),
+               "16:9": (16, 9)}
+
+
+@pytest.mark.parametrize("official_size", list(GEN_TARGETS))
+def test_explicit_target_size_maps_to_the_official_bucket(tok, official_size):
+    """Landscape and portrait targets -> the official <img_ratio_k>, image size and image token count."""
+    ratio, height, width, token_h, token_w, n_tokens = GOLDEN["gen_targets_1024"][official_size]
+    builder = SequenceBuilder(tok, 1024)
+    width_height = GEN_TARGETS[official_size]
+    assert parse_image_size("{}x{}".format(*width_height)) == width_height  # ardit's WxH form
+    k = builder.resolutions.ratio_index(*width_height)
+    assert k == ratio
+    assert builder.resolutions.size(k) == (width, height)
+    assert builder.latent_grid(k) == (token_h, token_w) and token_h * token_w == n_tokens
+    seq = builder.dit_sequence("a cat", [], None, "", k)
+    assert seq.cond_ids[seq.gen_image.timestep_index - 2:seq.gen_image.timestep_index] == \
+        [tok.size_id(1024), tok.ratio_ids[ratio]]
+    assert len([t for t in seq.cond_ids if t == tok.img]) == n_tokens
+
+
+def test_landscape_request_is_a_landscape_image(tok):
+    """The bug this issue started from: W1280 x H720 must be 80 wide x 45 high latents, <img_ratio_36>."""
+    g = ResolutionGroup(1024)
+    k = g.ratio_index(1280, 720)
+    assert k == 36 and g.size(k) == (1280, 720)
+    assert SequenceBuilder(tok, 1024).latent_grid(k) == (45, 80)
+
+
+@pytest.mark.parametrize("orig", list(GOLDEN["cond_targets_1024"]))
+def test_conditioning_image_bucket_is_the_official_one(orig):
+    """get_target_size over every bucket, extras included (a 4:3 photo lands on an extra bucket)."""
+    width, height = map(int, orig.split("x"))
+    g = ResolutionGroup(1024)
+    tw, th, ratio = GOLDEN["cond_targets_1024"][orig]
+    assert g.get_target_size(width, height) == (tw, th)
+    assert g.ratio_index(width, height) == ratio == g.get_base_size_and_ratio_index(tw, th)[1]
+
+
+def test_ratio_choice_ids_are_the_official_slices(tok):
+    start, end, (other_lo, other_hi) = GOLDEN["ratio_slices"]
+    assert tok.ratio_choice_ids == list(range(start, end + 1)) + list(range(other_lo, other_hi))
+    assert sorted(tok.ratio_choice_ids) == sorted(tok.ratio_ids)
+
+
+def test_parse_image_size():
+    assert parse_image_size("auto") == parse_image_size(None) == "auto"
+    assert parse_image_size("1280x720") == (1280, 720)  # ardit: WIDTH x HEIGHT
+    assert parse_image_size((832, 1216)) == (832, 1216)
+    assert parse_image_size("16:9") == (16, 9)
+    assert parse_image_size("<img_ratio_3>") == "<img_ratio_3>"
+    for bad in ["1280", "0x720", "axb", (1, 2, 3), "-5x4"]:
+        with pytest.raises(ValueError):
+            parse_image_size(bad)
+
+
+# --------------------------------------------------------------------------- the <cfg> row, boundaries
+@pytest.mark.parametrize("cot", [COT_TR, "<think>thinking</think>", COT_R, None])
 @pytest.mark.parametrize("n_images", [0, 1, 2])
-@pytest.mark.parametrize("bot_task", ["think_recaption", "think", "recaption", "image"])
-def test_uncond_row_replaces_user_and_cot_text_token_for_token(tok, builder, bot_task, n_images):
-    system = SYSTEM_PROMPTS["en_unified"]
+def test_uncond_row_replaces_user_and_cot_text_token_for_token(tok, builder, cot, n_images):
+    images = [COND, CondImage(2, 3, 20, (2, 2), 5)][:n_images]
     user = "make the sky purple and add a golden bird"
-    cot1 = _cot(tok, "The user wants the image to show a bird")
-    cot2 = _cot(tok, "a detailed description: purple sky, golden bird")
-    images = COND[:n_images]
-    ratio = 16  # 256 x 256 -> 16 x 16 latent grid
-    assistant = _assistant(tok, bot_task, cot1, cot2)
-    seq = builder.dit_sequence(user, images, assistant, system, ratio)
-    cond, uncond = _expected_rows(tok, system, images, user, bot_task, cot1, cot2, ratio, 16 * 16)
-
-    assert seq.cond_ids == cond
-    assert seq.uncond_ids == uncond
-    assert len(seq.uncond_ids) == len(seq.cond_ids)
-    # only <cfg> differs; every differing position holds <cfg> in the uncond row
+    seq = builder.dit_sequence(user, images, cot, UNIFIED, 16)
+    cond, uncond = seq.cond_ids, seq.uncond_ids
+    assert len(cond) == len(uncond)
     diff = [i for i, (a, b) in enumerate(zip(cond, uncond)) if a != b]
     assert all(uncond[i] == tok.cfg for i in diff)
-    n_user = len(tok.encode(user))
-    n_cot = {"think_recaption": len(cot1) + len(cot2), "think": len(cot1), "recaption": len(cot2), "image": 0}
-    assert len(diff) == n_user + n_cot[bot_task]
-    # boundaries: neg = first <cfg>; pos = </recaption>, else </think>, else <answer>
-    assert seq.neg_reuse_len == uncond.index(tok.cfg) == diff[0]
-    pos_tag = {"think_recaption": tok.recaption_end, "think": tok.think_end, "recaption": tok.recaption_end,
-               "image": tok.answer}[bot_task]
-    assert seq.pos_reuse_len == cond.index(pos_tag)
+    # the masked tokens are exactly the user text and the inner CoT texts
+    inner = [] if cot is None else [part.split("</")[0] for part in cot.split(">")[1:] if "</" in part]
+    assert len(diff) == len(tok.encode(user)) + sum(len(tok.encode(t)) for t in inner)
+    # tags, the system prompt, role prefixes and image blocks are kept
+    for t in (tok.think, tok.think_end, tok.recaption, tok.recaption_end, tok.answer, tok.answer_end):
+        assert cond.count(t) == uncond.count(t)
+    assert seq.neg_reuse_len == diff[0]
+    # the first <cfg> comes right after "User: " and the conditioning-image blocks
+    assert seq.neg_reuse_len == (seq.cond_images[-1].end + 1 if images else
+                                 1 + len(tok.encode(UNIFIED)) + len(tok.encode("\n\n")) + len(tok.encode("User: ")))
+    boundary_tag = {COT_TR: tok.recaption_end, COT_R: tok.recaption_end}.get(cot, tok.think_end if cot else tok.answer)
+    assert cond[seq.pos_reuse_len] == boundary_tag and seq.pos_reuse_len == seq.reuse_boundary
     assert seq.neg_reuse_len < seq.pos_reuse_len
-    # the uncond row's first <cfg> comes right after "User: " and the conditioning-image blocks
-    prefix_len = 1 + len(tok.encode(system)) + len(tok.encode("\n\n")) + len(tok.encode("User: "))
-    prefix_len += sum(4 + im.latent_h * im.latent_w + 1 + im.vit_len + 1 for im in images)
-    assert seq.neg_reuse_len == prefix_len
-    # the generated image slot
-    gen = seq.gen_image
-    assert cond[gen.timestep_index] == tok.timestep and cond[gen.timestep_index - 1] == tok.ratio_ids[ratio]
-    assert (gen.h, gen.w) == (16, 16) and gen.start == gen.timestep_index + 1
-    assert cond[gen.start + gen.h * gen.w:] == [tok.eoi, tok.answer_end]
-    # conditioning image slots
-    assert len(seq.cond_images) == n_images
     for slot, im in zip(seq.cond_images, images):
-        assert cond[slot.timestep_index] == tok.timestep
-        assert cond[slot.start - 1] == tok.timestep and slot.start == slot.timestep_index + 1
-        assert cond[slot.vit_start - 1] == tok.joint_img_sep
+        assert cond[slot.timestep_index - 3:slot.timestep_index] == [tok.boi, tok.size_id(256),
+                                                                      tok.ratio_ids[im.ratio_index]]
+        assert cond[slot.vit_start - 1] == tok.joint_img_sep and cond[slot.end] == tok.eoi
         assert slot.vit_start == slot.start + im.latent_h * im.latent_w + 1
-        assert cond[slot.end] == tok.eoi
-        assert (slot.h, slot.w, slot.vit_len, slot.vit_grid) == (im.latent_h, im.latent_w, im.vit_len, im.vit_grid)
 
 
-def test_ratio_token_in_assistant_ids_is_optional(tok, builder):
-    cot = _cot(tok, "a cat")
-    assistant = _assistant(tok, "think", cot, [])
-    a = builder.dit_sequence("a cat", [], assistant, "", 20)
-    b = builder.dit_sequence("a cat", [], assistant + [tok.ratio_ids[20]], "", 20)
-    assert a.cond_ids == b.cond_ids and a.uncond_ids == b.uncond_ids
-    # latent grid of ratio 20 (192 x 320) -> h = 20, w = 12
-    assert (a.gen_image.h, a.gen_image.w) == (320 // 16, 192 // 16)
-
-
-def test_assistant_ids_must_end_with_answer_prefix(tok, builder):
-    with pytest.raises(ValueError, match="answer"):
-        builder.dit_sequence("a cat", [], [tok.think, *tok.encode("cat"), tok.think_end], "", 16)
-
-
-def test_no_system_prompt_neg_boundary_is_bos_plus_user_prefix(tok, builder):
-    seq = builder.dit_sequence("a dog", [], _assistant(tok, "image", [], []), "", 16)
-    assert seq.cond_ids[0] == tok.bos
-    assert seq.neg_reuse_len == 1 + len(tok.encode("User: "))
+def test_reuse_is_capped_by_the_ar_ids(tok, builder):
+    """Re-encoding the CoT text may change tokens: the AR's K/V is reused up to the first difference."""
+    seq = builder.dit_sequence(USER, [], COT_TR, UNIFIED, 16)
+    same = builder.dit_sequence(USER, [], COT_TR, UNIFIED, 16, ar_ids=seq.cond_ids[:seq.reuse_boundary + 3])
+    assert same.pos_reuse_len == seq.reuse_boundary
+    ar_ids = list(seq.cond_ids[:seq.reuse_boundary])
+    cut = seq.assistant_start + 5
+    ar_ids[cut] = tok.encode("dog")[0]  # the AR generated another tokenisation of the same text
+    capped = builder.dit_sequence(USER, [], COT_TR, UNIFIED, 16, ar_ids=ar_ids)
+    assert capped.cond_ids == seq.cond_ids  # the DiT sequence itself does not change
+    assert capped.pos_reuse_len == cut and capped.neg_reuse_len == seq.neg_reuse_len
+    early = builder.dit_sequence(USER, [], COT_TR, UNIFIED, 16, ar_ids=[tok.bos, 5])
+    assert early.pos_reuse_len == 1 and early.neg_reuse_len == 1
 
 
 def test_empty_user_text_without_cot_shares_everything_up_to_boundary(tok, builder):
-    seq = builder.dit_sequence("", [], _assistant(tok, "image", [], []), SYSTEM_PROMPTS["en_vanilla"], 16)
+    seq = builder.dit_sequence("", [], None, VANILLA, 16)
     assert seq.cond_ids == seq.uncond_ids
     assert seq.neg_reuse_len == seq.pos_reuse_len == seq.cond_ids.index(tok.answer)
 
@@ -165,45 +251,14 @@ def test_reuse_boundary_and_first_difference(tok):
     assert first_difference([1, 2], [1, 2, 3]) == 2
 
 
-def test_ar_prompt_uncond_row_and_triggers(tok, builder):
-    user = "a red cat"
-    for bot_task, trigger in [("think_recaption", [tok.think]), ("think", [tok.think]),
-                              ("recaption", [tok.recaption]), ("image", [tok.answer, tok.boi, tok.size_id(256)])]:
-        seq = builder.ar_prompt(user, COND[:1], bot_task, SYSTEM_PROMPTS["en_unified"])
-        assert seq.cond_ids[seq.assistant_start:] == trigger
-        assert seq.cond_ids[seq.assistant_start - len(tok.encode("Assistant: ")):seq.assistant_start] == \
-            tok.encode("Assistant: ")
-        n = len(tok.encode(user))
-        assert seq.uncond_ids[seq.neg_reuse_len:seq.neg_reuse_len + n] == [tok.cfg] * n
-        assert seq.cond_ids[seq.neg_reuse_len:seq.neg_reuse_len + n] == tok.encode(user)
-    with pytest.raises(ValueError, match="bot_task"):
-        builder.ar_prompt(user, [], "auto", "")
-
-
-# --------------------------------------------------------------------------- segment tokenisation (#3499)
-def test_bpe_is_not_additive_over_segments(tok):
-    """BPE(A + B) != BPE(A) + BPE(B) for the tiny tokenizer, as for the real one."""
-    pairs = [("User: ", "a cat"), ("a red", "dish"), ("make the sky ", "purple"), ("sun", "set")]
-    for a, b in pairs:
-        assert tok.encode(a + b) != tok.encode(a) + tok.encode(b), (a, b)
-    # and encoding the whole AR prompt text at once is not the segment-wise encoding
-    system, user = SYSTEM_PROMPTS["en_unified"], "make the sky purple"
-    whole = tok.encode(system + "\n\n" + "User: " + user + "\n\n" + "Assistant: ")
-    segments = (tok.encode(system) + tok.encode("\n\n") + tok.encode("User: ") + tok.encode(user)
-                + tok.encode("\n\n") + tok.encode("Assistant: "))
-    assert whole != segments
-
-
 @pytest.mark.parametrize("n_images", [0, 2])
-@pytest.mark.parametrize("bot_task", ["think_recaption", "think", "recaption", "image"])
-def test_ar_prompt_is_a_prefix_of_the_dit_sequence(tok, builder, bot_task, n_images):
-    system, user = SYSTEM_PROMPTS["en_unified"], "make the sky purple"
-    ar = builder.ar_prompt(user, COND[:n_images], bot_task, system)
-    cot1, cot2 = tok.encode("sunset"), tok.encode("a red dish")
-    full_assistant = _assistant(tok, bot_task, cot1, cot2)
-    trigger = ar.cond_ids[ar.assistant_start:]
-    assert full_assistant[:len(trigger)] == trigger
-    dit = builder.dit_sequence(user, COND[:n_images], full_assistant, system, 16)
+@pytest.mark.parametrize("bot_task,cot", [("think_recaption", COT_TR), ("think", "<think>sunset</think>"),
+                                          ("recaption", COT_R), ("image", None)])
+def test_ar_prompt_is_a_prefix_of_the_dit_sequence(tok, builder, bot_task, cot, n_images):
+    """Segment-wise tokenisation: with a CoT that re-encodes to itself, the AR prompt is the DiT start."""
+    images = [COND, CondImage(2, 3, 20, (2, 2), 5)][:n_images]
+    ar = builder.ar_prompt(USER, images, bot_task, UNIFIED)
+    dit = builder.dit_sequence(USER, images, cot, UNIFIED, 16)
     n = len(ar.cond_ids)
     assert dit.cond_ids[:n] == ar.cond_ids
     assert dit.uncond_ids[:n] == ar.uncond_ids
@@ -214,65 +269,83 @@ def test_ar_prompt_is_a_prefix_of_the_dit_sequence(tok, builder, bot_task, n_ima
     assert dit.block_ids()[:n].tolist() == ar.block_ids().tolist()
 
 
-# --------------------------------------------------------------------------- resolution buckets
-def _hand_buckets_1024():
-    wide = [(1024 + 64 * i, 1024 - 64 * i) for i in range(1, 9)] + [(1536 + 64 * i, 512) for i in range(1, 9)]
-    tall = [(h, w) for w, h in wide]
-    return list(reversed(wide)) + [(1024, 1024)] + tall
+def test_bot_task_must_be_known(builder):
+    with pytest.raises(ValueError, match="bot_task"):
+        builder.ar_prompt(USER, [], "dance", "")
 
 
-def test_resolution_group_1024():
-    g = ResolutionGroup(1024)
-    assert len(g) == 37
-    sizes = [g.size(i) for i in range(37)]
-    assert sizes[:33] == _hand_buckets_1024()
-    assert sizes[33:] == [(1024, 768), (1280, 720), (768, 1024), (720, 1280)]
-    ratios = [h / w for w, h in sizes[:33]]
-    assert ratios == sorted(ratios) and len(set(ratios)) == 33
-    assert all(w % 16 == 0 and h % 16 == 0 for w, h in sizes)
-    assert sizes[16] == (1024, 1024)
-    assert (1216, 832) in sizes and (832, 1216) in sizes
-    # index_of: exact sizes only
-    assert g.index_of(1024, 1024) == 16
-    assert g.index_of(1280, 720) == 34
-    assert g.index_of(2048, 512) == 0 and g.index_of(512, 2048) == 32
-    assert g.index_of(1000, 1000) is None
-    # nearest: closest aspect ratio among the 33 main buckets
-    assert g.nearest(1000, 1000) == 16
-    assert g.nearest(500, 500) == 16
-    assert g.size(g.nearest(2000, 1000)) == (1344, 704)  # 0.5238 is closer to 0.5 than 0.4545
-    assert g.size(g.nearest(1000, 2000)) == (704, 1344)
-    assert g.nearest(4000, 100) == 0 and g.nearest(100, 4000) == 32
-    assert g.size(g.nearest(1280, 720)) == (1280, 768)  # never an extra bucket
-    assert g.size(g.nearest(1216, 832)) == (1216, 832)
+def test_max_length_is_enforced(tok):
+    small = SequenceBuilder(tok, 256, max_length=40)
+    with pytest.raises(ValueError, match="exceeds max_length 40"):
+        small.dit_sequence(USER, [], None, "", 16)
 
 
-def test_resolution_group_tiny_base():
-    g = ResolutionGroup(256)
-    assert len(g) == 37
-    sizes = [g.size(i) for i in range(37)]
-    assert sizes[16] == (256, 256) and sizes[0] == (512, 128) and sizes[32] == (128, 512)
-    assert all(w % 16 == 0 and h % 16 == 0 for w, h in sizes)
-    assert sizes[33:] == [(256, 192), (320, 176), (192, 256), (176, 320)]
+# --------------------------------------------------------------------------- user text
+def test_tags_in_user_text_are_special_tokens_as_official(tok, builder):
+    """The official tokenizer parses tags anywhere: `<think>` typed by a user is the <think> token."""
+    ids = tok.encode("draw <think> a cat </recaption>")
+    assert tok.think in ids and tok.recaption_end in ids
+    seq = builder.ar_prompt("draw <think> a cat </recaption>", [], "think_recaption", "")
+    assert tok.recaption_end in seq.cond_ids[:seq.assistant_start]
 
 
-# --------------------------------------------------------------------------- tokenizer + PromptKV contract
+@pytest.mark.parametrize("token", ["<boi>", "<eoi>", "<img>", "<joint_img_sep>", "<timestep>", "<guidance>",
+                                   "<timestep_r>", "<cfg>", "<img_size_1024>", "<img_ratio_7>", "<img_ratio_36>"])
+def test_image_structure_tokens_in_user_text_are_rejected(builder, token):
+    for call in (lambda: builder.ar_prompt(f"make the sky {token} purple", [], "think", ""),
+                 lambda: builder.dit_sequence(f"make the sky {token} purple", [], None, "", 16)):
+        with pytest.raises(UserTextError, match=f"image-structure token '{token}'"):
+            call()
+
+
+def test_plain_brackets_in_user_text_are_fine(tok, builder):
+    seq = builder.ar_prompt("a sign that says <hello> and <img_size_huge>", [], "think", "")
+    assert tok.img not in seq.cond_ids
+
+
+# --------------------------------------------------------------------------- segment tokenisation (#3499)
+def test_bpe_is_not_additive_over_segments(tok):
+    """BPE(A + B) != BPE(A) + BPE(B) for the tiny tokenizer, as for the real one."""
+    pairs = [("User: ", "a cat"), ("a red", "dish"), ("make the sky ", "purple"), ("sun", "set")]
+    for a, b in pairs:
+        assert tok.encode(a + b) != tok.encode(a) + tok.encode(b), (a, b)
+    whole = tok.encode(UNIFIED + "\n\n" + "User: " + USER + "\n\n" + "Assistant: ")
+    segments = (tok.encode(UNIFIED) + tok.encode("\n\n") + tok.encode("User: ") + tok.encode(USER)
+                + tok.encode("\n\n") + tok.encode("Assistant: "))
+    assert whole != segments
+
+
+# --------------------------------------------------------------------------- tokenizer files + PromptKV contract
 def test_tiny_tokenizer_special_tokens(tok):
     from components.engine.config import tiny_config
     from components.engine.tokenizer import SPECIAL_TOKENS
 
     ids = [tok.token_id(t) for t in SPECIAL_TOKENS]
-    assert len(set(ids)) == len(SPECIAL_TOKENS) == 17 + 3 + 37
+    assert len(set(ids)) == len(SPECIAL_TOKENS)
     assert len(tok.ratio_ids) == 37 and tok.ratio_ids == [tok.token_id(f"<img_ratio_{i}>") for i in range(37)]
-    assert tok.special_ids == set(ids)
     assert tok.vocab_size <= tiny_config().vocab_size
-    # special-token strings in text stay text (no control-token injection); ids decode back to them
-    assert not set(tok.encode("<think> </recaption>")) & tok.special_ids
     assert tok.decode([tok.think, tok.recaption_end]) == "<think></recaption>"
-    assert not set(tok.encode(SYSTEM_PROMPTS["en_unified"])) & tok.special_ids
     assert tok.decode(tok.encode("a red cat on a boat")) == "a red cat on a boat"
     with pytest.raises(KeyError):
         tok.token_id("<no_such_token>")
+
+
+def test_tokenizer_files_in_checkpoint_layout_round_trip(tmp_path, tok):
+    import json
+
+    from components.engine.tokenizer import write_tokenizer_files
+
+    paths = write_tokenizer_files(tmp_path)
+    assert sorted(p.name for p in paths) == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["bos_token"] == "<|startoftext|>" and config["eos_token"] == "<|endoftext|>"
+    assert "<img_ratio_36>" in config["additional_special_tokens"]
+    loaded = load_tokenizer(tmp_path)
+    text = UNIFIED + " User: draw <think> a cat"
+    assert loaded.encode(text) == tok.encode(text) and loaded.ratio_ids == tok.ratio_ids
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
 
 
 def test_prompt_kv_validate():
@@ -298,3 +371,12 @@ def test_prompt_kv_validate():
         kv(rows=4).validate()
     with pytest.raises(ValueError, match="non-empty"):
         kv(layers=0).validate()
+
+
+def test_cot_decode_and_reencode_are_the_official_ones(tok):
+    """The DiT re-encodes the decoded CoT: decode (special tokens written out, broken UTF-8 as U+FFFD) and
+    encode give the official tokenizer's results, including where re-encoding changes the ids."""
+    for ids, text, reencoded in GOLDEN["decode_reencode"]:
+        assert tok.decode(ids) == text
+        assert tok.encode(text) == reencoded
+    assert any(ids != reencoded for ids, _, reencoded in GOLDEN["decode_reencode"])

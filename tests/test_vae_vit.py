@@ -204,6 +204,9 @@ def test_preprocess_full_budget_uses_most_patches():
 
 
 def test_preprocess_matches_transformers_processor(tiny):
+    """The official code runs transformers' Siglip2ImageProcessorFast (torchvision's uint8 antialiased
+    bilinear resize; torchvision cannot be installed beside this torch). Its resize matches PIL's bilinear
+    within one grey level, so against the PIL processor: same grid and mask, pixels within 1/127.5."""
     pil_proc = pytest.importorskip("transformers.models.siglip2.image_processing_pil_siglip2")
     cfg = tiny.vit
     images = [_random_image(300, 100, 1), _random_image(64, 64, 2), _random_image(33, 250, 3)]
@@ -213,8 +216,42 @@ def test_preprocess_matches_transformers_processor(tiny):
     for i, image in enumerate(images):
         ours = preprocess_for_vit(image, cfg)
         assert tuple(ref["spatial_shapes"][i].tolist()) == ours.spatial_shape
-        torch.testing.assert_close(ours.pixel_values, ref["pixel_values"][i].float(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours.pixel_values, ref["pixel_values"][i].float(), rtol=0, atol=1 / 127.5 + 1e-6)
         assert torch.equal(ours.attention_mask, ref["pixel_attention_mask"][i].long())
+
+
+def test_vit_resize_is_torchvisions_uint8_kernel():
+    """torchvision's resize_image: the native uint8 kernel on AVX2, else float -> round: within one level."""
+    from components.engine.vit import resize_uint8_bilinear
+
+    x = torch.from_numpy(np.array(_random_image(151, 97, 4))).permute(2, 0, 1).contiguous()
+    ours = resize_uint8_bilinear(x, 64, 96)
+    assert ours.dtype == torch.uint8 and ours.shape == (3, 64, 96)
+    via_float = torch.nn.functional.interpolate(x[None].float(), size=[64, 96], mode="bilinear", align_corners=False,
+                                                antialias=True).round()[0]
+    assert (ours.float() - via_float).abs().max() <= 1
+    assert resize_uint8_bilinear(x, 97, 151) is x  # no resize when the size already fits
+
+
+def test_vit_padding_length_comes_from_the_checkpoint_vit_processor(tiny):
+    """Official: ViT tokens are padded to `vit_processor.max_num_patches` (image_processor.py ViTInfo
+    max_token_length; 1024 in the released Instruct config), not to 729."""
+    from types import SimpleNamespace
+
+    from components.engine.vit import ViTProcessorSettings
+
+    released = SimpleNamespace(vit=full_config().vit, vit_processor={"max_num_patches": 1024, "patch_size": 16,
+                                                                      "resample": 2})
+    settings = ViTProcessorSettings.from_config(released)
+    assert (settings.max_num_patches, settings.patch_size) == (1024, 16)
+    inp = preprocess_for_vit(_random_image(1280, 720), settings)
+    assert inp.pixel_values.shape == (1024, 768) and inp.attention_mask.shape == (1024,)
+    h, w = inp.spatial_shape
+    assert 0.85 * 1024 < h * w <= 1024 and w > h
+    # without the key, the ViT config's value is used
+    assert ViTProcessorSettings.from_config(tiny).max_num_patches == tiny.vit.max_num_patches
+    with pytest.raises(ValueError, match="bilinear"):
+        ViTProcessorSettings.from_config(SimpleNamespace(vit=tiny.vit, vit_processor={"resample": 3}))
 
 
 def test_preprocess_patch_layout(tiny):
@@ -271,23 +308,22 @@ def test_light_projector_structure():
 
 
 def test_vision_model_official_names(vit):
+    """Exactly the parameter names of the official `Siglip2VisionTransformer` (siglip2.py at fork commit
+    4000b7f: embeddings / encoder.layers.N / post_layernorm / head with an nn.MultiheadAttention), so the
+    checkpoint's `vision_model.*` tensors load strictly."""
     vision_model, _ = vit
-    keys = set(vision_model.state_dict())
-    expected = {
-        "embeddings.patch_embedding.weight",
-        "embeddings.position_embedding.weight",
-        "encoder.layers.0.layer_norm1.weight",
-        "encoder.layers.0.self_attn.q_proj.weight",
-        "encoder.layers.0.self_attn.k_proj.bias",
-        "encoder.layers.0.self_attn.out_proj.weight",
-        "encoder.layers.0.mlp.fc1.weight",
-        "encoder.layers.0.mlp.fc2.bias",
-        "encoder.layers.0.layer_norm2.bias",
-        "post_layernorm.weight",
-        "head.probe",
-        "head.attention.in_proj_weight",
-    }
-    assert expected <= keys, sorted(expected - keys)
+    layer = ["layer_norm1.weight", "layer_norm1.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+             "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+             "self_attn.out_proj.weight", "self_attn.out_proj.bias", "layer_norm2.weight", "layer_norm2.bias",
+             "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias"]
+    official = {"embeddings.patch_embedding.weight", "embeddings.patch_embedding.bias",
+                "embeddings.position_embedding.weight", "post_layernorm.weight", "post_layernorm.bias",
+                "head.probe", "head.attention.in_proj_weight", "head.attention.in_proj_bias",
+                "head.attention.out_proj.weight", "head.attention.out_proj.bias", "head.layernorm.weight",
+                "head.layernorm.bias", "head.mlp.fc1.weight", "head.mlp.fc1.bias", "head.mlp.fc2.weight",
+                "head.mlp.fc2.bias"}
+    official |= {f"encoder.layers.{i}.{name}" for i in range(len(vision_model.encoder.layers)) for name in layer}
+    assert set(vision_model.state_dict()) == official
     # patch embedding is a Linear over flattened 16x16x3 patches (naflex), not a Conv2d
     assert vision_model.state_dict()["embeddings.patch_embedding.weight"].ndim == 2
 
@@ -342,3 +378,48 @@ def test_resize_center_crop_keeps_center():
     assert out[:, 10:90].mean() > 250
     same = resize_center_crop(Image.fromarray(array[:, 100:200]), 100, 100)
     assert np.array_equal(np.asarray(same), array[:, 100:200])
+
+
+def test_resize_mode_stretches_without_cropping():
+    """Official infer_align_image_size: crop_type "resize" stretches the whole image to the bucket."""
+    from components.engine.image_processing import resize_and_crop
+
+    array = np.zeros((100, 300, 3), dtype=np.uint8)
+    array[:, :30] = 255  # a left edge band that a center crop to a square would cut away
+    out = np.asarray(resize_and_crop(Image.fromarray(array), 100, 100, "resize")).astype(int)
+    assert out.shape == (100, 100, 3) and out[:, :8].mean() > 250
+    centre = np.asarray(resize_and_crop(Image.fromarray(array), 100, 100, "center")).astype(int)
+    assert centre[:, :8].mean() < 5
+    with pytest.raises(ValueError, match="crop"):
+        resize_and_crop(Image.fromarray(array), 10, 10, "random")
+
+
+def test_align_output_size_follows_the_official_postprocess():
+    """postprocess_outputs(infer_align_image_size=True): a conditioning image in the output's bucket whose
+    own ratio is off by >= 0.01 gives the output its aspect ratio at area base_size**2."""
+    from components.engine.image_processing import align_output_size
+    from components.engine.sequence import ResolutionGroup
+
+    g = ResolutionGroup(1024)
+    out = Image.new("RGB", (1280, 768))
+    k = g.ratio_index(1280, 768)
+    assert g.ratio_index(1000, 620) == k
+    assert align_output_size(out, k, [(k, 1000, 620)], g).size == (1300, 806)  # sqrt(1024^2 / 620000) * (1000, 620)
+    assert align_output_size(out, k, [(k, 1000, 600)], g).size == (1280, 768)  # the bucket's own ratio: untouched
+    assert align_output_size(out, k, [(k - 1, 1000, 620)], g).size == (1280, 768)  # other bucket: untouched
+    # several images: the first one in the output's bucket decides
+    assert align_output_size(out, k, [(3, 500, 100), (k, 1000, 620), (k, 1000, 600)], g).size == (1300, 806)
+
+
+def test_load_image_applies_exif_orientation():
+    """transformers' load_image (used by the official processor) applies the EXIF orientation."""
+    import io
+
+    from components.engine.image_processing import load_image
+
+    image = Image.new("RGB", (40, 20), "red")
+    exif = image.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", exif=exif.tobytes())
+    assert load_image(Image.open(io.BytesIO(buf.getvalue()))).size == (20, 40)

@@ -1,15 +1,24 @@
 """AR stage: batched prefill + chain-of-thought decode + ratio token, with prompt-KV export.
 
-Per row the decoder walks a fixed list of stages (bot_task):
+The decode follows the official `generate_image` (modeling_hunyuan_image_3.py) and its logits
+processors, row by row:
 
-    think_recaption:  <think> COT </think>  -> forced <recaption> -> COT </recaption> -> answer prefix -> ratio
-    think:            <think> COT </think>                                            -> answer prefix -> ratio
-    recaption:        <recaption> COT </recaption>                                    -> answer prefix -> ratio
-    image:            (prompt already ends with the answer prefix)                                     -> ratio
+    prompt ends with the bot response prefix: "Assistant: <think>" (think, think_recaption),
+    "Assistant: <recaption>", "Assistant: <answer><boi><img_size_B>" (image), "Assistant: " (auto)
+    stage transitions:  </think> -> forced <recaption>                         (think_recaption)
+                        last end tag -> forced <answer><boi><img_size_B>       (when the size is "auto")
+    after <img_size_B>: greedy choice among the ratio tokens (official id slices), which stops the row
+    stop tokens:        a ratio token (size "auto"); else the end tag(s); auto: <|endoftext|>
 
-The answer prefix `<answer><boi><img_size_B>` is forced after the last end tag; the ratio token is
-the greedy choice among ratio tokens (or forced when the request fixed a size). Rows of different
-lengths are left-padded; padding keys are masked, so a row's tokens do not depend on its batch.
+Nothing else is constrained: the model may write any token in its CoT, as in the official code.
+`max_new_tokens` bounds all generated tokens of a row, as HF `generate` does. Unlike the official
+code (which fails when the budget runs out before a ratio token), ardit then closes the CoT: when
+the remaining budget only just fits the closing tokens (end tags, forced transitions, ratio), they
+are forced.
+
+The kept CoT is the official `cot_text`: the trigger tag + the generated tokens through the first
+end token, decoded to text; the DiT re-encodes it through the template. Rows of different lengths
+are left-padded; padding keys are masked, so a row's tokens do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -22,19 +31,39 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from PIL import Image
 
+from .generation_config import GenerationConfig, tiny_generation_config
 from .inputs import EncodedImage, embed_span, encode_cond_images
 from .kvcache import PromptKV
-from .sequence import SYSTEM_PROMPTS, CondImage, Sequence, SequenceBuilder
+from .sequence import CondImage, Sequence, SequenceBuilder, first_difference, parse_image_size
+from .system_prompts import TINY_SYSTEM_PROMPTS, resolve_system_prompt
 from .tokenizer import Tokenizer
 from .transformer import HunyuanImage3ForCausalMM, attention_mask
+
+IMAGE_TASKS = ("image", "recaption", "think", "think_recaption")
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    max_new_tokens: int = 48  # CoT budget per stage; the end tag is forced when it runs out
+    """AR sampling; a field left None comes from the generation config."""
+
+    temperature: float | None = None  # 0: greedy
+    top_k: int | None = None  # 0: off
+    top_p: float | None = None
+    max_new_tokens: int | None = None  # all generated tokens of a row (forced ones included)
+    do_sample: bool | None = None  # False: greedy
+
+    def resolved(self, gc: GenerationConfig) -> "SamplingParams":
+        pick = lambda mine, theirs: theirs if mine is None else mine  # noqa: E731
+        out = SamplingParams(pick(self.temperature, gc.temperature), pick(self.top_k, gc.top_k),
+                             pick(self.top_p, gc.top_p), pick(self.max_new_tokens, gc.max_new_tokens),
+                             pick(self.do_sample, gc.do_sample))
+        if not out.do_sample:
+            out.temperature = 0.0
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature or self.do_sample is False
 
 
 @dataclass
@@ -42,27 +71,51 @@ class ARRequest:
     id: str
     prompt: str
     images: list[Image.Image] = field(default_factory=list)
-    image_size: str | tuple[int, int] = "auto"  # "auto" lets the model pick the ratio token
-    bot_task: str = "think_recaption"
-    system_prompt: str = "en_unified"  # a key of SYSTEM_PROMPTS, or the text itself
+    image_size: str | tuple[int, int] = "auto"  # "auto" (the model picks the ratio), (width, height), "WxH", "W:H"
+    bot_task: str | None = None  # None: the generation config's
+    system_prompt: str | None = None  # a name (en_unified, dynamic, none, ...) or the text; None: generation config
     seed: int | None = None
+    infer_align_image_size: bool = False  # official --infer-align-image-size: cond images stretched to their bucket
 
 
 @dataclass
 class AROutput:
     id: str
     user_text: str
-    system_prompt: str  # the resolved text
+    system_prompt: str  # the resolved text the DiT sequence uses (en_recaption after a drop_think switch)
     bot_task: str
     cond_images: list[CondImage]
     prompt_ids: list[int]
-    generated_ids: list[int]  # forced tags included; the last one is the ratio token
-    assistant_ids: list[int]  # everything after `Assistant: ` (trigger + generated)
-    cot_text: str
-    ratio_index: int
-    image_size: tuple[int, int]  # (width, height)
+    generated_ids: list[int]  # as generated: forced tokens included, the stop token (ratio / end tag) last
+    cot_text: str  # official cot_text: trigger tag + decoded CoT through its end tag; "" for none
+    ratio_index: int  # -1 for a text-only answer
+    image_size: tuple[int, int]  # (width, height); (0, 0) for a text-only answer
+    drop_think: bool = False
+    infer_align_image_size: bool = False
+    answer_text: str = ""  # bot_task auto: the generated text answer (stop token not included)
+    reencode_diff_at: int | None = None  # where the DiT sequence leaves the AR's tokens before the reuse boundary
     prompt_kv: PromptKV | None = None
     timings: dict = field(default_factory=dict)
+
+    @property
+    def is_text_only(self) -> bool:
+        """bot_task auto: a text answer (I2T/T2T), no image to generate."""
+        return self.bot_task == "auto"
+
+    @property
+    def fed_ids(self) -> list[int]:
+        """The ids the AR ran through the model (its K/V exists for them): the prompt and every
+        generated token but the last, which ended the row."""
+        return self.prompt_ids + self.generated_ids[:-1]
+
+    def dit_sequence(self, builder: SequenceBuilder) -> Sequence:
+        """The DiT sequence of this request (the official re-encoding of the CoT text)."""
+        if self.is_text_only:
+            raise ValueError(f"request {self.id}: bot_task auto gave a text answer; there is no image to generate")
+        seq = builder.dit_sequence(self.user_text, self.cond_images, self.cot_text or None, self.system_prompt,
+                                   self.ratio_index, ar_ids=self.fed_ids, drop_think=self.drop_think)
+        seq.infer_align_image_size = self.infer_align_image_size
+        return seq
 
     def to_record(self) -> dict:
         """JSON-able dict (no tensors) for ar.parquet; the KV travels through the KV store."""
@@ -77,14 +130,11 @@ class AROutput:
     def from_record(cls, rec: dict) -> "AROutput":
         rec = dict(rec)
         rec["cond_images"] = [CondImage(c["latent_h"], c["latent_w"], c["ratio_index"], tuple(c["vit_grid"]),
-                                        c["vit_len"]) for c in rec.get("cond_images") or []]
+                                        c["vit_len"], c.get("orig_width", 0), c.get("orig_height", 0))
+                              for c in rec.get("cond_images") or []]
         rec["image_size"] = tuple(rec["image_size"])
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in rec.items() if k in known})
-
-
-def resolve_system_prompt(name_or_text: str) -> str:
-    return SYSTEM_PROMPTS.get(name_or_text, name_or_text)
 
 
 def request_seed(seed: int | None, request_id: str) -> int:
@@ -95,29 +145,42 @@ def request_seed(seed: int | None, request_id: str) -> int:
 @dataclass
 class _Row:
     request: ARRequest
+    bot_task: str
+    system_prompt: str
     seq: Sequence
     cond: list[EncodedImage]
-    stages: list[tuple]
     generator: torch.Generator
-    forced_ratio: int | None
+    transitions: dict[int, list[int]]  # official stage_transitions: tag -> forced tokens
+    stop_ids: set[int]
+    closing_tags: list[int]  # end tags, in order, forced when the budget runs out
+    ratio_trigger: int | None  # <img_size_B>: the next token is the greedy ratio choice
+    fixed_ratio: int | None  # ratio index from the request's image size
+    last: int = 0  # the last token fed
+    pending: list[int] = field(default_factory=list)
+    completed: set[int] = field(default_factory=set)
     offset: int = 0  # left padding
     generated: list[int] = field(default_factory=list)
-    stage_tokens: int = 0
     done: bool = False
 
 
 class ARGenerator:
+    """`generation_config` / `system_prompts`: the checkpoint's (Engine passes them); the tiny
+    preset's when not given."""
+
     def __init__(self, model: HunyuanImage3ForCausalMM, tokenizer: Tokenizer, builder: SequenceBuilder,
-                 model_id: str = "") -> None:
+                 model_id: str = "", generation_config: GenerationConfig | None = None,
+                 system_prompts: dict[str, str] | None = None) -> None:
         self.model, self.tok, self.builder = model, tokenizer, builder
         self.model_id = model_id
         self.config_hash = model.config.config_hash()
+        self.generation_config = generation_config or tiny_generation_config()
+        self.system_prompts = system_prompts or TINY_SYSTEM_PROMPTS
 
     # -- public -------------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, requests: list[ARRequest], sampling: SamplingParams | None = None,
                  export_kv: bool = True) -> list[AROutput]:
-        sampling = sampling or SamplingParams()
+        sampling = (sampling or SamplingParams()).resolved(self.generation_config)
         rows = [self._prepare(r) for r in requests]
 
         t0 = time.perf_counter()
@@ -137,32 +200,57 @@ class ARGenerator:
 
     # -- stages -------------------------------------------------------------------------------
     def _prepare(self, req: ARRequest) -> _Row:
-        tok = self.tok
-        cond = encode_cond_images(self.model, self.builder, req.images) if req.images else []
-        seq = self.builder.ar_prompt(req.prompt, [c.footprint for c in cond], req.bot_task,
-                                     resolve_system_prompt(req.system_prompt))
-        answer_prefix = ("force", [tok.answer, tok.boi, tok.size_id(self.builder.base_size)])
-        stages = {
-            "think_recaption": [("cot", tok.think_end), ("force", [tok.recaption]), ("cot", tok.recaption_end),
-                                answer_prefix],
-            "think": [("cot", tok.think_end), answer_prefix],
-            "recaption": [("cot", tok.recaption_end), answer_prefix],
-            "image": [],
-        }[req.bot_task] + [("ratio",)]
-        forced_ratio = None
-        if req.image_size != "auto":
-            width, height = req.image_size
-            forced_ratio = self.builder.resolutions.index_of(width, height)
-            if forced_ratio is None:
-                raise ValueError(f"request {req.id}: image size {width}x{height} is not a supported bucket")
+        tok, gc = self.tok, self.generation_config
+        bot_task = req.bot_task or gc.bot_task
+        if bot_task not in (*IMAGE_TASKS, "auto"):
+            raise ValueError(f"request {req.id}: unknown bot_task {bot_task!r}; choose one of "
+                             f"{(*IMAGE_TASKS, 'auto')}")
+        choice = req.system_prompt if req.system_prompt is not None else gc.use_system_prompt
+        system_prompt = resolve_system_prompt(choice, bot_task, self.system_prompts)
+        size = parse_image_size(req.image_size)
+        fixed_ratio = None
+        if isinstance(size, str) and size.startswith("<img_ratio_"):
+            fixed_ratio = int(size[len("<img_ratio_"):-1])
+            if not 0 <= fixed_ratio < len(self.builder.resolutions):
+                raise ValueError(f"request {req.id}: image size {size}: no such ratio bucket")
+        elif size != "auto":
+            fixed_ratio = self.builder.resolutions.ratio_index(*size)
+        try:
+            self.builder.check_user_text(req.prompt)
+        except ValueError as e:
+            raise ValueError(f"request {req.id}: {e}") from None
+        cond = encode_cond_images(self.model, self.builder, req.images, req.infer_align_image_size) \
+            if req.images else []
+        seq = self.builder.ar_prompt(req.prompt, [c.footprint for c in cond], bot_task, system_prompt)
+
+        need_ratio = fixed_ratio is None
+        size_id = tok.size_id(self.builder.base_size)
+        answer_prefix = [tok.answer] if self.builder.sequence_template == "instruct" else []
+        transitions: dict[int, list[int]] = {}
+        if bot_task == "think_recaption":
+            transitions[tok.think_end] = [tok.recaption]
+        if bot_task in ("think", "recaption", "think_recaption") and need_ratio:
+            last_tag = tok.recaption_end if "recaption" in bot_task else tok.think_end
+            transitions[last_tag] = answer_prefix + [tok.boi, size_id]
+        closing = {"think_recaption": [tok.think_end, tok.recaption_end], "think": [tok.think_end],
+                   "recaption": [tok.recaption_end], "image": [], "auto": []}[bot_task]
+        if bot_task == "auto":
+            stop = {tok.eos}  # the conversation's stop token (official stop_token_ids: <|endoftext|>)
+        elif need_ratio:
+            stop = set(tok.ratio_choice_ids)
+        else:
+            stop = {"think_recaption": {tok.recaption_end}, "recaption": {tok.recaption_end},
+                    "think": {tok.think_end, tok.recaption_end}, "image": set()}[bot_task]
         gen = torch.Generator().manual_seed(request_seed(req.seed, req.id))
-        return _Row(req, seq, cond, stages, gen, forced_ratio)
+        row = _Row(req, bot_task, system_prompt, seq, cond, gen, transitions, stop, closing,
+                   size_id if need_ratio and bot_task != "auto" else None, fixed_ratio, last=seq.cond_ids[-1])
+        row.done = bot_task == "image" and not need_ratio  # a fixed size needs no AR token (official)
+        return row
 
     def _prefill(self, rows: list[_Row], sampling: SamplingParams):
         model, tok = self.model, self.tok
         length = max(len(r.seq.cond_ids) for r in rows)
-        budget = max(sum(sampling.max_new_tokens + 1 if s[0] == "cot" else len(s[1]) if s[0] == "force" else 1
-                         for s in row.stages) for row in rows) + 8  # rows may have different bot_tasks
+        budget = sampling.max_new_tokens + 16  # forced closing tokens may exceed a tiny budget
         batch = len(rows)
         x = model.embed_ids(torch.full((batch, length), tok.pad, device=model.device)).clone()
         positions = torch.zeros(batch, length, 2, dtype=torch.float64)
@@ -188,11 +276,11 @@ class ARGenerator:
         steps = 0
         while True:
             next_ids = [self._next_token(row, logits[b], sampling) for b, row in enumerate(rows)]
-            if all(row.done for row in rows):
+            if all(t is None for t in next_ids):
                 return steps
             slot = cache.length
             feed = torch.tensor([[t if t is not None else tok.pad] for t in next_ids], device=model.device)
-            for b, (row, t) in enumerate(zip(rows, next_ids)):
+            for b, t in enumerate(next_ids):
                 valid[b, slot] = t is not None  # finished rows feed a masked pad
             positions = torch.tensor([[[slot - r.offset] * 2] for r in rows], dtype=torch.float64)
             k_slots = torch.arange(slot + 1).expand(len(rows), slot + 1)
@@ -206,75 +294,119 @@ class ARGenerator:
             steps += 1
 
     def _next_token(self, row: _Row, logits: torch.Tensor, sampling: SamplingParams) -> int | None:
-        """Pick row's next token from its current stage; None once the row is finished."""
+        """Pick the row's next token; None when the row is finished (or just finished: the stop
+        token is recorded but never fed)."""
         if row.done:
             return None
-        tok = self.tok
-        stage = row.stages[0]
-        if stage[0] == "ratio":
-            if row.forced_ratio is not None:
-                ratio = row.forced_ratio
-            else:
-                ratio = int(logits[tok.ratio_ids].argmax())
-            row.generated.append(tok.ratio_ids[ratio])
-            row.done = True
-            return None  # the ratio token is chosen, never fed
-        if stage[0] == "force":
-            token = stage[1][0]
-            rest = stage[1][1:]
-            row.stages[0] = ("force", rest)
-            if not rest:
-                row.stages.pop(0)
-        else:  # cot
-            end_tag = stage[1]
-            if row.stage_tokens >= sampling.max_new_tokens:
-                token = end_tag
-            else:
-                token = self._sample(logits, end_tag, sampling, row.generator)
-            row.stage_tokens += 1
-            if token == end_tag:
-                row.stages.pop(0)
-                row.stage_tokens = 0
+        token = row.pending.pop(0) if row.pending else None  # official stage-transition processor
+        if token is None and row.ratio_trigger is not None and row.last == row.ratio_trigger:
+            choice = self.tok.ratio_choice_ids
+            token = choice[int(logits[choice].float().argmax())]  # official force_greedy ratio slice
+        if token is None and row.bot_task != "auto":
+            closing = self._closing_path(row)
+            if closing and len(row.generated) + len(closing) >= sampling.max_new_tokens:
+                token = closing[0]  # out of budget: close the CoT (see module docstring)
+        if token is None:
+            token = self._sample(logits, sampling, row.generator)
         row.generated.append(token)
+        row.last = token
+        if not row.pending and token in row.transitions and token not in row.completed:
+            row.completed.add(token)  # a stage transition fires once per tag
+            row.pending = list(row.transitions[token])
+        if token in row.stop_ids or (row.bot_task == "auto" and len(row.generated) >= sampling.max_new_tokens):
+            row.done = True
+            return None
         return token
 
-    def _sample(self, logits: torch.Tensor, end_tag: int, sampling: SamplingParams,
-                generator: torch.Generator) -> int:
-        logits = logits.float().cpu().clone()
-        banned = [i for i in self.tok.special_ids if i != end_tag and i < logits.shape[0]]
-        logits[banned] = float("-inf")
-        logits[self.tok.vocab_size:] = float("-inf")  # padded vocab rows are never tokens
-        if sampling.temperature <= 0:
-            return int(logits.argmax())
-        logits = logits / sampling.temperature
-        if sampling.top_k > 0:
-            kth = logits.topk(min(sampling.top_k, logits.shape[0])).values[-1]
-            logits[logits < kth] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
-        if sampling.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            cut = sorted_probs.cumsum(0) - sorted_probs > sampling.top_p
-            sorted_probs[cut] = 0
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    def _closing_path(self, row: _Row) -> list[int]:
+        """The shortest token path from the row's state to its stop: pending forced tokens, the
+        remaining end tags in order (with their transitions), the ratio token."""
+        path: list[int] = []
+        last, pending, completed = row.last, list(row.pending), set(row.completed)
+        seen = set(row.generated)
+        for _ in range(64):
+            if pending:
+                t = pending.pop(0)
+            elif row.ratio_trigger is not None and last == row.ratio_trigger:
+                t = self.tok.ratio_choice_ids[0]  # any ratio token: it stops the row
+            else:
+                todo = [tag for tag in row.closing_tags if tag not in seen]
+                if not todo:
+                    break
+                t = todo[0]
+            path.append(t)
+            seen.add(t)
+            if not pending and t in row.transitions and t not in completed:
+                completed.add(t)
+                pending = list(row.transitions[t])
+            if t in row.stop_ids:
+                break
+            last = t
+        return path
+
+    def _sample(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+        """HF `generate`'s sampling: greedy argmax, or temperature -> top-k -> top-p then multinomial."""
+        from transformers.generation.logits_process import (
+            TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+        scores = logits.float().cpu().clone().unsqueeze(0)
+        scores[:, self.tok.vocab_size:] = float("-inf")  # padded vocab rows are never tokens
+        if sampling.greedy:
+            return int(scores[0].argmax())
+        scores = TemperatureLogitsWarper(sampling.temperature)(None, scores)
+        if sampling.top_k and sampling.top_k > 0:
+            scores = TopKLogitsWarper(sampling.top_k)(None, scores)
+        if sampling.top_p is not None and sampling.top_p < 1.0:
+            scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+        probs = torch.softmax(scores[0], dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator))
 
     def _finish(self, row: _Row, b: int, cache) -> AROutput:
-        tok, seq = self.tok, row.seq
-        assistant_ids = seq.cond_ids[seq.assistant_start:] + row.generated
-        ratio_index = tok.ratio_ids.index(row.generated[-1])
-        system_prompt = resolve_system_prompt(row.request.system_prompt)
+        tok, req = self.tok, row.request
         footprints = [c.footprint for c in row.cond]
-        cot_ids = [t for t in assistant_ids if t not in tok.special_ids]
-        out = AROutput(
-            id=row.request.id, user_text=row.request.prompt, system_prompt=system_prompt,
-            bot_task=row.request.bot_task, cond_images=footprints, prompt_ids=list(seq.cond_ids),
-            generated_ids=list(row.generated), assistant_ids=assistant_ids,
-            cot_text=tok.decode(cot_ids), ratio_index=ratio_index,
-            image_size=self.builder.resolutions.size(ratio_index))
+        out = AROutput(id=req.id, user_text=req.prompt, system_prompt=row.system_prompt, bot_task=row.bot_task,
+                       cond_images=footprints, prompt_ids=list(row.seq.cond_ids), generated_ids=list(row.generated),
+                       cot_text="", ratio_index=-1, image_size=(0, 0),
+                       drop_think=self.generation_config.drop_think,
+                       infer_align_image_size=req.infer_align_image_size)
+        if row.bot_task == "auto":
+            answer = row.generated[:-1] if row.generated and row.generated[-1] in row.stop_ids else row.generated
+            out.answer_text = tok.decode(answer)
+            return out
+
+        if row.fixed_ratio is not None:
+            out.ratio_index = row.fixed_ratio
+        else:
+            out.ratio_index = tok.ratio_ids.index(row.generated[-1])
+        out.image_size = self.builder.resolutions.size(out.ratio_index)
+        if row.bot_task != "image":
+            out.cot_text, out.system_prompt = self._cot_text(row)
+        seq = out.dit_sequence(self.builder)
+        cut = first_difference(out.fed_ids, seq.cond_ids)
+        out.reencode_diff_at = cut if cut < seq.reuse_boundary else None
         if cache is not None:
-            full = self.builder.dit_sequence(out.user_text, footprints, assistant_ids, system_prompt, ratio_index)
-            out.prompt_kv = self._export(row, b, cache, full)
+            out.prompt_kv = self._export(row, b, cache, seq)
         return out
+
+    def _cot_text(self, row: _Row) -> tuple[str, str]:
+        """(cot_text, system prompt) as the official generate_image: the trigger tag + the decoded
+        generated tokens through the first end token; drop_think keeps the recaption part only and
+        switches a system prompt to en_recaption."""
+        tok = self.tok
+        end = tok.recaption_end if "recaption" in row.bot_task else tok.think_end
+        gen = row.generated
+        cot_ids = gen[:gen.index(end) + 1] if end in gen else gen
+        trigger = "<think>" if row.bot_task.startswith("think") else "<recaption>"
+        cot_text = trigger + tok.decode(cot_ids)
+        system_prompt = row.system_prompt
+        if self.generation_config.drop_think and "<think>" in cot_text and "<recaption>" in cot_text:
+            part = cot_text.split("<recaption>")[1]
+            if "</recaption>" in part:
+                part = part.split("</recaption>")[0]
+            cot_text = "<recaption>" + part + "</recaption>"
+            if system_prompt:
+                system_prompt = self.system_prompts["en_recaption"]  # official: not stripped here
+        return cot_text, system_prompt
 
     def _export(self, row: _Row, b: int, cache, full: Sequence) -> PromptKV | None:
         """K/V of the cond row's first pos_reuse_len tokens, as [tokens, kv_heads, head_dim] per layer."""

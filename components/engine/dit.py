@@ -100,8 +100,7 @@ class DiTGenerator:
     @torch.no_grad()
     def __call__(self, req: DiTRequest) -> DiTOutput:
         ar = req.ar
-        seq = self.builder.dit_sequence(ar.user_text, ar.cond_images, ar.assistant_ids, ar.system_prompt,
-                                        ar.ratio_index)
+        seq = ar.dit_sequence(self.builder)
         steps, guidance, shift = self.settings(req)
         distilled = self.model.config.cfg_distilled
         cfg_on = guidance > 1.0 and not distilled  # Distil takes the scale as a token, one row
@@ -238,7 +237,7 @@ class DiTGenerator:
             return []
         if len(images) != len(seq.cond_images):
             raise ValueError(f"sequence has {len(seq.cond_images)} conditioning images, got {len(images)}")
-        return encode_cond_images(self.model, self.builder, images)
+        return encode_cond_images(self.model, self.builder, images, seq.infer_align_image_size)
 
     @staticmethod
     def _capacity(seq: Sequence) -> int:

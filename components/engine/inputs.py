@@ -25,26 +25,33 @@ class EncodedImage:
 
 
 @torch.no_grad()
-def encode_cond_images(model: HunyuanImage3ForCausalMM, builder: SequenceBuilder,
-                       images: list[Image.Image]) -> list[EncodedImage]:
-    """Resize each image to its nearest resolution bucket, then VAE-encode and ViT-encode it."""
-    from .image_processing import pil_to_tensor, resize_center_crop
-    from .vit import encode_vit, preprocess_for_vit
+def encode_cond_images(model: HunyuanImage3ForCausalMM, builder: SequenceBuilder, images: list[Image.Image],
+                       infer_align_image_size: bool = False) -> list[EncodedImage]:
+    """Each image as the official image processor takes it (`get_image_with_size(return_type="vae_vit")`):
 
-    cfg = model.config
+    - VAE: the bucket of the nearest aspect ratio among all of them, extra resolutions included
+      (`get_target_size` on the original size), Lanczos `resize_and_crop` to it: center crop, or a
+      plain stretch with `infer_align_image_size`; then VAE-encoded;
+    - ViT: the original image through the SigLIP2 processor (patches padded to `max_num_patches`).
+    """
+    from .image_processing import load_image, pil_to_tensor, resize_and_crop
+    from .vit import ViTProcessorSettings, encode_vit, preprocess_for_vit
+
+    vit_settings = ViTProcessorSettings.from_config(model.config)
     out = []
     for image in images:
-        image = image.convert("RGB")
-        ratio = builder.resolutions.nearest(*image.size)
+        image = load_image(image)
+        ratio = builder.resolutions.ratio_index(*image.size)
         width, height = builder.resolutions.size(ratio)
-        pixels = pil_to_tensor(resize_center_crop(image, width, height)).unsqueeze(0).to(model.device)
+        fitted = resize_and_crop(image, width, height, "resize" if infer_align_image_size else "center")
+        pixels = pil_to_tensor(fitted).unsqueeze(0).to(model.device)
         # posterior draw from a fixed generator until the request's generator is threaded through
         generator = torch.Generator(device=model.device).manual_seed(0)
         latents = model.vae.encode(pixels, generator=generator).float()
-        vit_in = preprocess_for_vit(image, cfg.vit)
+        vit_in = preprocess_for_vit(image, vit_settings)
         vit_tokens = encode_vit(model.vision_model, model.vision_aligner, [vit_in])[0].to(model.dtype)
         footprint = CondImage(latents.shape[2], latents.shape[3], ratio, tuple(vit_in.spatial_shape),
-                              vit_tokens.shape[0])
+                              vit_tokens.shape[0], orig_width=image.width, orig_height=image.height)
         out.append(EncodedImage(footprint, latents, vit_tokens))
     return out
 

@@ -3,14 +3,18 @@
 HunyuanImage-3 feeds every conditioning image to the LLM twice: as VAE latents and as ViT features.
 This module holds the ViT half:
 
-- `preprocess_for_vit`: the naflex processor (resize keeping aspect ratio so the patch grid fits
-  `max_num_patches`, scale to [-1, 1], cut 16x16 patches, pad the run to `max_num_patches`),
-  numerically the same as transformers' `Siglip2ImageProcessorPil`;
+- `preprocess_for_vit`: the official processor, transformers' `Siglip2ImageProcessorFast` built from
+  the checkpoint's `vit_processor` config: resize keeping the aspect ratio so the patch grid fits
+  `max_num_patches` (uint8 bilinear antialiased resize as torchvision does it on the CPU), scale to
+  [-1, 1], cut 16x16 patches, pad the run to `max_num_patches` (1024 for the released model);
 - `build_vision_model`: transformers' `Siglip2VisionModel` (random init). Its parameter names are the
-  checkpoint's `vision_model.*` names (`embeddings.patch_embedding`, `encoder.layers.N.self_attn.q_proj`,
-  `post_layernorm`, `head.probe`, ...). The official tower is built from a config without
-  `vision_use_head`, so it carries the attention-pooling `head`; we keep it for a strict load although
-  only `last_hidden_state` is used;
+  official `Siglip2VisionTransformer`'s (siglip2.py): `embeddings.patch_embedding`,
+  `embeddings.position_embedding`, `encoder.layers.N.{self_attn.{q,k,v,out}_proj, layer_norm1,
+  layer_norm2, mlp.fc1, mlp.fc2}`, `post_layernorm`, `head.{probe, attention.in_proj_weight,
+  attention.in_proj_bias, attention.out_proj, layernorm, mlp.fc1, mlp.fc2}`, so the checkpoint's
+  `vision_model.*` tensors load strictly. The official tower is built from a config without
+  `vision_use_head`, so it carries the attention-pooling `head`; we keep it for a strict load
+  although only `last_hidden_state` is used;
 - `LightProjector`: the official `vision_aligner` (`layers.0` Linear, GELU, `layers.2` Linear);
 - `encode_vit`: batch of preprocessed images -> [B, max_num_patches, llm_hidden] tokens.
 """
@@ -49,6 +53,35 @@ class ViTInput:
         return self.spatial_shape[0] * self.spatial_shape[1]
 
 
+@dataclass(frozen=True)
+class ViTProcessorSettings:
+    """The parts of the checkpoint's `vit_processor` config (a Siglip2ImageProcessorFast dict) we use."""
+
+    patch_size: int = 16
+    max_num_patches: int = 1024
+    image_mean: tuple[float, float, float] = (_MEAN, _MEAN, _MEAN)
+    image_std: tuple[float, float, float] = (_STD, _STD, _STD)
+
+    @classmethod
+    def from_config(cls, config) -> "ViTProcessorSettings":
+        """From the checkpoint's `vit_processor` dict (`config.vit_processor`, or kept verbatim in
+        `config.extra`) where it has a key, else from `config.vit` (`patch_size`, `max_num_patches`)."""
+        vit = getattr(config, "vit", config)
+        proc = getattr(config, "vit_processor", None) or (getattr(config, "extra", None) or {}).get("vit_processor") \
+            or {}
+        if not isinstance(proc, dict):
+            proc = vars(proc)
+        resample = proc.get("resample", 2)
+        if resample not in (2, "bilinear", None):
+            raise ValueError(f"vit_processor.resample {resample!r}: only bilinear (2) is supported")
+        mean = proc.get("image_mean", _MEAN)
+        std = proc.get("image_std", _STD)
+        return cls(patch_size=int(proc.get("patch_size", vit.patch_size)),
+                   max_num_patches=int(proc.get("max_num_patches", vit.max_num_patches)),
+                   image_mean=tuple(mean) if isinstance(mean, (list, tuple)) else (mean,) * 3,
+                   image_std=tuple(std) if isinstance(std, (list, tuple)) else (std,) * 3)
+
+
 def naflex_target_size(height: int, width: int, patch_size: int, max_num_patches: int) -> tuple[int, int]:
     """Largest aspect-preserving (height, width), each a multiple of `patch_size`, whose patch grid
     has at most `max_num_patches` patches (binary search over the scale, as the SigLIP2 processor)."""
@@ -60,28 +93,51 @@ def naflex_target_size(height: int, width: int, patch_size: int, max_num_patches
     lo, hi = eps / 10, 100.0
     while hi - lo >= eps:
         mid = (lo + hi) / 2
-        if (scaled(mid, height) // patch_size) * (scaled(mid, width) // patch_size) <= max_num_patches:
+        if (scaled(mid, height) / patch_size) * (scaled(mid, width) / patch_size) <= max_num_patches:
             lo = mid
         else:
             hi = mid
     return scaled(lo, height), scaled(lo, width)
 
 
-def preprocess_for_vit(image: Image.Image, cfg: ViTConfig) -> ViTInput:
-    """PIL image -> naflex patches padded to `cfg.max_num_patches`."""
-    p = cfg.patch_size
+def resize_uint8_bilinear(image: Tensor, height: int, width: int) -> Tensor:
+    """torchvision v2 `resize_image(..., BILINEAR, antialias=True)` of a uint8 [C, H, W] CPU tensor:
+    the native uint8 kernel on AVX2 CPUs, else float32 -> interpolate -> round -> uint8."""
+    if tuple(image.shape[-2:]) == (height, width):
+        return image
+    x = image.unsqueeze(0)
+    native = "AVX2" in torch.backends.cpu.get_cpu_capability()
+    if not native:
+        x = x.float()
+    x = torch.nn.functional.interpolate(x, size=[height, width], mode="bilinear", align_corners=False,
+                                        antialias=True)
+    if not native:
+        x = x.round_().to(torch.uint8)
+    return x[0]
+
+
+def preprocess_for_vit(image: Image.Image, settings: ViTProcessorSettings | ViTConfig) -> ViTInput:
+    """PIL image (as loaded: EXIF-transposed RGB) -> naflex patches padded to `max_num_patches`,
+    as the official `Siglip2ImageProcessorFast(image)`."""
+    if isinstance(settings, ViTConfig):
+        settings = ViTProcessorSettings(patch_size=settings.patch_size, max_num_patches=settings.max_num_patches)
+    p = settings.patch_size
     image = image.convert("RGB")
-    height, width = naflex_target_size(image.height, image.width, p, cfg.max_num_patches)
-    image = image.resize((width, height), resample=Image.Resampling.BILINEAR)
-    pixels = (np.asarray(image, dtype=np.float32) / 255.0 - _MEAN) / _STD  # [H, W, C]
+    height, width = naflex_target_size(image.height, image.width, p, settings.max_num_patches)
+    pixels = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).contiguous()
+    pixels = resize_uint8_bilinear(pixels, height, width)
+    # transformers fuses rescale (1/255) and normalize: (x - 255 * mean) / (255 * std), in float32
+    mean = torch.tensor(settings.image_mean, dtype=torch.float32).view(-1, 1, 1) * 255.0
+    std = torch.tensor(settings.image_std, dtype=torch.float32).view(-1, 1, 1) * 255.0
+    x = (pixels.float() - mean) / std  # [C, H, W]
 
     h, w = height // p, width // p
-    # [H, W, C] -> [h, w, p, p, C] -> [h*w, p*p*C]: patch vectors are (row, col, channel) ordered
-    patches = pixels.reshape(h, p, w, p, -1).transpose(0, 2, 1, 3, 4).reshape(h * w, -1)
+    # [C, H, W] -> [h, w, p, p, C] -> [h*w, p*p*C]: patch vectors are (row, col, channel) ordered
+    patches = x.reshape(-1, h, p, w, p).permute(1, 3, 2, 4, 0).reshape(h * w, -1)
 
-    pixel_values = torch.zeros(cfg.max_num_patches, patches.shape[1], dtype=torch.float32)
-    pixel_values[: h * w] = torch.from_numpy(np.ascontiguousarray(patches))
-    attention_mask = torch.zeros(cfg.max_num_patches, dtype=torch.long)
+    pixel_values = torch.zeros(settings.max_num_patches, patches.shape[1], dtype=torch.float32)
+    pixel_values[: h * w] = patches
+    attention_mask = torch.zeros(settings.max_num_patches, dtype=torch.long)
     attention_mask[: h * w] = 1
     return ViTInput(pixel_values=pixel_values, attention_mask=attention_mask, spatial_shape=(h, w))
 
