@@ -76,7 +76,7 @@ def test_reuse_edge_cases(engine, edge_outputs, case):
 
 @pytest.fixture(scope="module")
 def edit_out(engine):
-    return engine.generate_ar([ARRequest("edit", "make the sky purple", [IMG], bot_task="recaption")], GREEDY)[0]
+    return engine.generate_ar([ARRequest("edit", "make the sky purple", [IMG], bot_task="recaption", seed=2)], GREEDY)[0]
 
 
 def test_reuse_does_not_need_the_pixels(engine, edit_out):
@@ -95,9 +95,11 @@ def test_recompute_requires_the_conditioning_images(engine, edit_out):
 
 
 def test_generate_dit_runs_each_request(engine, edit_out):
-    reqs = [DiTRequest(edit_out, [IMG], edit_out.prompt_kv, steps=2, seed=s) for s in (1, 2)]
+    reqs = [DiTRequest(edit_out, [IMG], edit_out.prompt_kv, steps=2, seed=s) for s in (2, 1)]
     res = engine.generate_dit(reqs)
-    assert [r.id for r in res] == ["edit", "edit"] and all(r.kv_path == "reuse" for r in res)
+    assert [r.id for r in res] == ["edit", "edit"]
+    # the AR's seed (2) reuses its K/V; another seed draws other conditioning latents, so it recomputes
+    assert [r.kv_path for r in res] == ["reuse", "recompute"]
     assert not torch.equal(res[0].latents, res[1].latents)
     assert set(res[0].timings) >= {"dit_prefix_s", "dit_step_s", "vae_decode_s", "dit_total_s"}
     assert len(res[0].timings["dit_step_s"]) == 2

@@ -47,7 +47,8 @@ def ar_outputs(engine):
     """Greedy AR, one batch of the three cases per bot_task: {(bot_task, case): AROutput}."""
     outs = {}
     for bot_task in BOT_TASKS:
-        reqs = [ARRequest(f"{bot_task}-{case}", prompt, images, bot_task=bot_task)
+        # the row's seed: the AR draws the conditioning latents from its stream, as the DiT does
+        reqs = [ARRequest(f"{bot_task}-{case}", prompt, images, bot_task=bot_task, seed=7)
                 for case, (prompt, images) in CASES.items()]
         for case, out in zip(CASES, engine.generate_ar(reqs, GREEDY)):
             outs[(bot_task, case)] = out
@@ -139,8 +140,9 @@ def test_reuse_without_cfg_matches_recompute(engine, ar_outputs, no_decode):
 
 
 def _reuse_vs_recompute(engine, out, images, guidance=GUIDANCE):
-    a = engine.dit(DiTRequest(out, images, out.prompt_kv, steps=STEPS, guidance_scale=guidance, seed=7))
-    b = engine.dit(DiTRequest(out, images, None, steps=STEPS, guidance_scale=guidance, seed=7))
+    """Both paths with the AR row's own seed (DiTRequest.seed None)."""
+    a = engine.dit(DiTRequest(out, images, out.prompt_kv, steps=STEPS, guidance_scale=guidance))
+    b = engine.dit(DiTRequest(out, images, None, steps=STEPS, guidance_scale=guidance))
     assert (a.kv_path, b.kv_path) == ("reuse", "recompute"), a.kv_reason
     assert b.latents.abs().max() > 0.5
     return (a.latents - b.latents).abs().max().item()
@@ -222,9 +224,9 @@ def test_negative_control_corrupted_keys(engine, ar_outputs, recomputed, no_deco
 class _WrongNegBoundary(DiTGenerator):
     """Bug model: the uncond row shares the cond K/V up to pos_reuse_len (its <cfg> text is skipped)."""
 
-    def prefix_from_reuse(self, seq, kv, images, cfg_on):
+    def prefix_from_reuse(self, seq, kv, images, cfg_on, generator=None):
         return super().prefix_from_reuse(dataclasses.replace(seq, neg_reuse_len=seq.pos_reuse_len), kv, images,
-                                         cfg_on)
+                                         cfg_on, generator)
 
 
 def test_negative_control_wrong_uncond_boundary(engine, ar_outputs, recomputed, no_decode):
@@ -296,7 +298,7 @@ def test_changed_conditioning_image_changes_latents(engine, no_decode):
                 "first": [random_image(*IMG_WIDE.size, seed=98), IMG_TALL],
                 "second": [IMG_WIDE, random_image(*IMG_TALL.size, seed=99)]}
     reqs = [ARRequest(f"cond-{name}", "turn it into a watercolor painting", imgs, image_size=(256, 256),
-                      bot_task="image") for name, imgs in variants.items()]
+                      bot_task="image", seed=7) for name, imgs in variants.items()]
     outs = dict(zip(variants, engine.generate_ar(reqs, GREEDY)))
     # identical token sequences, so any difference below comes from the pixels
     for name in ("first", "second"):
@@ -315,3 +317,13 @@ def test_changed_conditioning_image_changes_latents(engine, no_decode):
     recompute = engine.dit(DiTRequest(outs["base"], variants["second"], None, steps=STEPS, seed=7))
     assert recompute.kv_path == "recompute"
     assert (recompute.latents - reuse["second"].latents).abs().max().item() <= LATENT_TOL
+
+
+def test_a_dit_seed_other_than_the_ars_recomputes_with_the_reason(engine, ar_outputs, no_decode):
+    """The AR's K/V holds conditioning latents drawn from the row's stream; a DiT request with another
+    seed draws other latents when it recomputes (official), so it must not reuse that K/V."""
+    out = ar_outputs[("think_recaption", "it2i_1")]
+    res = engine.dit(DiTRequest(out, CASES["it2i_1"][1], out.prompt_kv, steps=1, seed=8))
+    assert res.kv_path == "recompute" and res.kv_reason == "seed 8 differs from the AR's 7, which drew the conditioning latents"
+    t2i = ar_outputs[("think_recaption", "t2i")]  # no conditioning image: the seed only moves the noise
+    assert engine.dit(DiTRequest(t2i, [], t2i.prompt_kv, steps=1, seed=8)).kv_path == "reuse"

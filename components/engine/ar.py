@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from .generation_config import GenerationConfig, tiny_generation_config
-from .inputs import EncodedImage, embed_span, encode_cond_images
+from .inputs import EncodedImage, embed_span, encode_cond_images, request_generator
 from .kvcache import PromptKV
 from .sequence import CondImage, Sequence, SequenceBuilder, first_difference, parse_image_size
 from .system_prompts import TINY_SYSTEM_PROMPTS, resolve_system_prompt
@@ -94,6 +94,7 @@ class AROutput:
     infer_align_image_size: bool = False
     answer_text: str = ""  # bot_task auto: the generated text answer (stop token not included)
     reencode_diff_at: int | None = None  # where the DiT sequence leaves the AR's tokens before the reuse boundary
+    seed: int | None = None  # the row's seed: its stream drew the conditioning latents the K/V holds
     prompt_kv: PromptKV | None = None
     timings: dict = field(default_factory=dict)
 
@@ -181,13 +182,13 @@ class ARGenerator:
     def __call__(self, requests: list[ARRequest], sampling: SamplingParams | None = None,
                  export_kv: bool = True) -> list[AROutput]:
         sampling = (sampling or SamplingParams()).resolved(self.generation_config)
-        rows = [self._prepare(r) for r in requests]
-
-        t0 = time.perf_counter()
-        cache, logits, valid = self._prefill(rows, sampling)
-        t1 = time.perf_counter()
-        steps = self._decode(rows, cache, logits, valid, sampling)
-        t2 = time.perf_counter()
+        with self.model.autocast():  # the official AR runs under CUDA autocast in the model dtype
+            rows = [self._prepare(r) for r in requests]
+            t0 = time.perf_counter()
+            cache, logits, valid = self._prefill(rows, sampling)
+            t1 = time.perf_counter()
+            steps = self._decode(rows, cache, logits, valid, sampling)
+            t2 = time.perf_counter()
 
         outputs = []
         for b, row in enumerate(rows):
@@ -219,7 +220,10 @@ class ARGenerator:
             self.builder.check_user_text(req.prompt)
         except ValueError as e:
             raise ValueError(f"request {req.id}: {e}") from None
-        cond = encode_cond_images(self.model, self.builder, req.images, req.infer_align_image_size) \
+        # conditioning latents are posterior draws from the row's seeded stream, as in the DiT pass
+        # (official CoT passes draw from an unseeded one), so AR and DiT see the same latents
+        cond = encode_cond_images(self.model, self.builder, req.images, req.infer_align_image_size,
+                                  request_generator(self.model, request_seed(req.seed, req.id))) \
             if req.images else []
         seq = self.builder.ar_prompt(req.prompt, [c.footprint for c in cond], bot_task, system_prompt)
 
@@ -368,7 +372,7 @@ class ARGenerator:
                        cond_images=footprints, prompt_ids=list(row.seq.cond_ids), generated_ids=list(row.generated),
                        cot_text="", ratio_index=-1, image_size=(0, 0),
                        drop_think=self.generation_config.drop_think,
-                       infer_align_image_size=req.infer_align_image_size)
+                       infer_align_image_size=req.infer_align_image_size, seed=request_seed(req.seed, req.id))
         if row.bot_task == "auto":
             answer = row.generated[:-1] if row.generated and row.generated[-1] in row.stop_ids else row.generated
             out.answer_text = tok.decode(answer)

@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 
 from .ar import AROutput, request_seed
-from .inputs import EncodedImage, embed_span, encode_cond_images
+from .inputs import EncodedImage, embed_span, encode_cond_images, request_generator, skip_cond_draws
 from .kvcache import PromptKV
 from .sequence import Sequence, SequenceBuilder, first_difference
 from .transformer import HeadMask, HunyuanImage3ForCausalMM, KVCache, attention_mask
@@ -45,7 +45,7 @@ class DiTRequest:
     guidance_scale: float | None = None  # None: diff_guidance_scale
     flow_shift: float | None = None  # None: flow_shift
     guidance_rescale: float = 0.0  # official pipeline default
-    seed: int | None = None
+    seed: int | None = None  # None: the AR row's seed (then the K/V's conditioning latents match)
 
 
 @dataclass
@@ -88,6 +88,12 @@ class DiTGenerator:
         self.generation_config = generation_config
         self.config_hash = model.config.config_hash()
 
+    @staticmethod
+    def seed(req: DiTRequest) -> int:
+        if req.seed is not None:
+            return req.seed
+        return req.ar.seed if req.ar.seed is not None else request_seed(None, req.ar.id)
+
     def settings(self, req: DiTRequest) -> tuple[int, float, float]:
         """(steps, guidance, flow_shift): the request's, else the generation config's."""
         gc = self.generation_config
@@ -100,6 +106,8 @@ class DiTGenerator:
     @torch.no_grad()
     def __call__(self, req: DiTRequest) -> DiTOutput:
         ar = req.ar
+        if ar.is_text_only:
+            raise ValueError(f"request {ar.id}: a text answer (bot_task auto) has no image to denoise")
         seq = ar.dit_sequence(self.builder)
         steps, guidance, shift = self.settings(req)
         distilled = self.model.config.cfg_distilled
@@ -113,19 +121,26 @@ class DiTGenerator:
         ar = req.ar
 
         t0 = time.perf_counter()
+        # one stream per request, as the official DiT pass: conditioning-image posterior draws, then noise
+        seed = self.seed(req)
+        generator = request_generator(self.model, seed)
         kv_path, reason, cache = "recompute", req.absent_reason or "no KV given", None
         if req.prompt_kv is not None:
             problem = self.check_kv(req.prompt_kv, seq)
+            if not problem and seq.cond_images and ar.seed is not None and seed != ar.seed:
+                # the K/V holds conditioning latents drawn from the AR's stream; a recompute draws them
+                # from this request's stream (official DiT pass)
+                problem = f"seed {seed} differs from the AR's {ar.seed}, which drew the conditioning latents"
             if problem:
                 reason = problem
             else:
-                cache = self.prefix_from_reuse(seq, req.prompt_kv, req.images, cfg_on)
+                cache = self.prefix_from_reuse(seq, req.prompt_kv, req.images, cfg_on, generator)
                 kv_path, reason = "reuse", ""
         if cache is None:
-            cache = self.prefix_from_scratch(seq, req.images, cfg_on)
+            cache = self.prefix_from_scratch(seq, req.images, cfg_on, generator)
         timings["dit_prefix_s"] = time.perf_counter() - t0
 
-        latents = self.initial_noise(seq, request_seed(req.seed, ar.id))
+        latents = self.initial_noise(seq, generator)
         scheduler = official_scheduler(steps, shift, self.model.device)
         step = self.step_inputs(seq, cache.k[0].shape[0])
         meanflow = self.model.config.use_meanflow
@@ -142,6 +157,12 @@ class DiTGenerator:
         t1 = time.perf_counter()
         timings["dit_total_s"] = t1 - t0  # prefix + denoising; the VAE decode is timed apart
         image = self.decode(latents)
+        if ar.infer_align_image_size:  # official postprocess_outputs: match a conditioning image's ratio
+            from .image_processing import align_output_size
+
+            image = align_output_size(image, ar.ratio_index,
+                                      [(c.ratio_index, c.orig_width, c.orig_height) for c in ar.cond_images],
+                                      self.builder.resolutions)
         timings["vae_decode_s"] = time.perf_counter() - t1
         return DiTOutput(ar.id, image, latents.float().cpu(), kv_path, reason, timings)
 
@@ -187,19 +208,21 @@ class DiTGenerator:
             return [cond] if self.model.parallel.cfg_rank == 0 else [uncond]
         return [cond, uncond]
 
-    def prefix_from_scratch(self, seq: Sequence, images: list[Image.Image], cfg_on: bool) -> KVCache:
+    def prefix_from_scratch(self, seq: Sequence, images: list[Image.Image], cfg_on: bool,
+                            generator: torch.Generator | None = None) -> KVCache:
         """Denoise step 1 of the recompute path: the prefix of both rows from token 0."""
-        cond = self._encode(seq, images, 0)
+        cond = self._encode(seq, images, 0, generator)
         rows = [ids for ids, _ in self._rows(seq, cfg_on)]
         cache = self.model.new_cache(len(rows), self._capacity(seq))
         self._prefill(cache, seq, rows, 0, cond)
         return cache
 
-    def prefix_from_reuse(self, seq: Sequence, kv: PromptKV, images: list[Image.Image], cfg_on: bool) -> KVCache:
+    def prefix_from_reuse(self, seq: Sequence, kv: PromptKV, images: list[Image.Image], cfg_on: bool,
+                          generator: torch.Generator | None = None) -> KVCache:
         """Inject AR K/V and compute only what the AR did not: the cond row after the boundary,
         and the uncond row from its first `<cfg>` on top of the shared prefix."""
         row_specs = self._rows(seq, cfg_on)
-        cond = self._encode(seq, images, min(shared for _, shared in row_specs))
+        cond = self._encode(seq, images, min(shared for _, shared in row_specs), generator)
         rows = []
         for ids, shared in row_specs:
             cache = self.model.new_cache(1, seq.gen_image.timestep_index)
@@ -231,26 +254,30 @@ class DiTGenerator:
         model.forward_layers(x, positions.to(model.device), mask.to(model.device), cache)
         cache.commit()
 
-    def _encode(self, seq: Sequence, images: list[Image.Image], start: int) -> list[EncodedImage]:
-        """Encode conditioning images only if some image block lies in the span we compute."""
+    def _encode(self, seq: Sequence, images: list[Image.Image], start: int,
+                generator: torch.Generator | None = None) -> list[EncodedImage]:
+        """Encode conditioning images only if some image block lies in the span we compute; else
+        advance the request's stream past the draws the encoding would take."""
+        if generator is None:
+            generator = request_generator(self.model, 0)
         if not any(slot.end > start for slot in seq.cond_images):
+            skip_cond_draws(self.model, [(slot.h, slot.w) for slot in seq.cond_images], generator)
             return []
         if len(images) != len(seq.cond_images):
             raise ValueError(f"sequence has {len(seq.cond_images)} conditioning images, got {len(images)}")
-        return encode_cond_images(self.model, self.builder, images, seq.infer_align_image_size)
+        return encode_cond_images(self.model, self.builder, images, seq.infer_align_image_size, generator)
 
     @staticmethod
     def _capacity(seq: Sequence) -> int:
         return seq.gen_image.timestep_index + 1 + seq.gen_image.h * seq.gen_image.w
 
     # -- denoising --------------------------------------------------------------------------------
-    def initial_noise(self, seq: Sequence, seed: int) -> torch.Tensor:
-        """The official `prepare_latents`: diffusers' randn_tensor in bfloat16 from a generator on the
-        model's device; the scheduler upcasts to float32 from the first step on."""
+    def initial_noise(self, seq: Sequence, generator: torch.Generator) -> torch.Tensor:
+        """The official `prepare_latents`: diffusers' randn_tensor in bfloat16 from the request's
+        generator (on the model's device); the scheduler upcasts to float32 from the first step on."""
         from diffusers.utils.torch_utils import randn_tensor
 
         gen, device = seq.gen_image, self.model.device
-        generator = torch.Generator(device=device).manual_seed(seed)
         shape = (1, self.model.config.vae.latent_channels, gen.h, gen.w)
         return randn_tensor(shape, generator=generator, device=device, dtype=torch.bfloat16).float()
 

@@ -77,13 +77,14 @@ class Engine:
             if hasattr(layer.mlp, "drop_tokens"):
                 layer.mlp.drop_tokens = moe_drop_tokens
         net.eval()
-        builder = SequenceBuilder(tokenizer, config.image_base_size)
+        builder = SequenceBuilder.from_config(tokenizer, config, generation_config)
         return cls(config, net, tokenizer, builder, resolved.name, generation_config, system_prompts, stats,
                    parallel)
 
     @cached_property
     def ar(self) -> ARGenerator:
-        return ARGenerator(self.model, self.tokenizer, self.builder, self.model_id)
+        return ARGenerator(self.model, self.tokenizer, self.builder, self.model_id, self.generation_config,
+                           self.system_prompts)
 
     @cached_property
     def dit(self) -> DiTGenerator:

@@ -24,15 +24,40 @@ class EncodedImage:
     vit_tokens: torch.Tensor  # [vit_len, hidden]
 
 
+def request_generator(model: HunyuanImage3ForCausalMM, seed: int) -> torch.Generator:
+    """A request's random stream, on the model's device as the official `prepare_model_inputs`:
+    the conditioning images' VAE posterior draws come first, then (DiT) the initial noise."""
+    return torch.Generator(device=model.device).manual_seed(seed)
+
+
+@torch.no_grad()
+def skip_cond_draws(model: HunyuanImage3ForCausalMM, grids: list[tuple[int, int]], generator: torch.Generator) -> None:
+    """Advance `generator` past the posterior draws that encoding these images would take, so the
+    noise that follows is the official one when the DiT reuses the AR's K/V instead of encoding."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    vae = model.vae
+    dtype = vae.dtype
+    if model.device.type == "cuda" and vae.autocast_dtype is not None:
+        dtype = vae.autocast_dtype  # the encoder's moments come out of fp16 autocast
+    for h, w in grids:  # each conditioning image's latent grid
+        randn_tensor((1, model.config.vae.latent_channels, 1, h, w), generator=generator, device=model.device,
+                     dtype=dtype)
+
+
 @torch.no_grad()
 def encode_cond_images(model: HunyuanImage3ForCausalMM, builder: SequenceBuilder, images: list[Image.Image],
-                       infer_align_image_size: bool = False) -> list[EncodedImage]:
+                       infer_align_image_size: bool = False,
+                       generator: torch.Generator | None = None) -> list[EncodedImage]:
     """Each image as the official image processor takes it (`get_image_with_size(return_type="vae_vit")`):
 
     - VAE: the bucket of the nearest aspect ratio among all of them, extra resolutions included
       (`get_target_size` on the original size), Lanczos `resize_and_crop` to it: center crop, or a
       plain stretch with `infer_align_image_size`; then VAE-encoded;
     - ViT: the original image through the SigLIP2 processor (patches padded to `max_num_patches`).
+
+    The VAE latents are a posterior draw (`latent_dist.sample(generator)`), image after image from
+    the request's generator.
     """
     from .image_processing import load_image, pil_to_tensor, resize_and_crop
     from .vit import ViTProcessorSettings, encode_vit, preprocess_for_vit
@@ -45,8 +70,6 @@ def encode_cond_images(model: HunyuanImage3ForCausalMM, builder: SequenceBuilder
         width, height = builder.resolutions.size(ratio)
         fitted = resize_and_crop(image, width, height, "resize" if infer_align_image_size else "center")
         pixels = pil_to_tensor(fitted).unsqueeze(0).to(model.device)
-        # posterior draw from a fixed generator until the request's generator is threaded through
-        generator = torch.Generator(device=model.device).manual_seed(0)
         latents = model.vae.encode(pixels, generator=generator).float()
         vit_in = preprocess_for_vit(image, vit_settings)
         vit_tokens = encode_vit(model.vision_model, model.vision_aligner, [vit_in])[0].to(model.dtype)
