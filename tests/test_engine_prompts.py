@@ -92,7 +92,7 @@ def test_the_file_is_never_executed(tmp_path):
 
 
 def test_missing_or_malformed_file_is_a_one_line_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"system_prompt\.py not found") as e:
+    with pytest.raises(SystemPromptFileError, match=r"system_prompt\.py not found") as e:
         load_system_prompts(tmp_path)
     assert "\n" not in str(e.value)
     (tmp_path / "system_prompt.py").write_text("unified_system_prompt_en = 'x'\n")

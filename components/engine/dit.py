@@ -229,7 +229,7 @@ class DiTGenerator:
             self._inject(cache, kv, shared)
             self._prefill(cache, seq, [ids], shared, cond)
             rows.append(cache)
-        return KVCache.from_rows(rows, extra_capacity=1 + seq.gen_image.h * seq.gen_image.w)
+        return KVCache.from_rows(rows, extra_capacity=seq.gen_image.end - seq.gen_image.timestep_index)
 
     def _inject(self, cache: KVCache, kv: PromptKV, n: int) -> None:
         dev, dtype = self.model.device, self.model.dtype
@@ -269,7 +269,7 @@ class DiTGenerator:
 
     @staticmethod
     def _capacity(seq: Sequence) -> int:
-        return seq.gen_image.timestep_index + 1 + seq.gen_image.h * seq.gen_image.w
+        return seq.gen_image.end  # prefix + <timestep> (+ <guidance>, <timestep_r>) + image tokens
 
     # -- denoising --------------------------------------------------------------------------------
     def initial_noise(self, seq: Sequence, generator: torch.Generator) -> torch.Tensor:

@@ -39,7 +39,7 @@ TINY_SYSTEM_PROMPTS = {
 
 
 class SystemPromptFileError(ValueError):
-    pass
+    """system_prompt.py is missing or unreadable; the message is one line naming the file."""
 
 
 def load_system_prompts(model_dir: str | Path) -> dict[str, str]:
@@ -47,7 +47,7 @@ def load_system_prompts(model_dir: str | Path) -> dict[str, str]:
     `model_dir/system_prompt.py`, read with `ast` (the file is never executed)."""
     path = Path(model_dir) / SYSTEM_PROMPT_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a HunyuanImage-3 checkpoint ships its system prompts in "
+        raise SystemPromptFileError(f"{path} not found: a HunyuanImage-3 checkpoint ships its system prompts in "
                                 f"{SYSTEM_PROMPT_FILE} beside its modeling files; download the full checkpoint")
     try:
         tree = ast.parse(path.read_text(), filename=str(path))
