@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from components.kvstore.cli import app as store_app
-from components.sweep.cli import app as sweep_app
+from pipeline.sweep import app as sweep_app
 from pipeline.cli_orchestration import app as orchestration_app
 
 app = typer.Typer(help="ardit: batch image generation and editing with a two-stage AR + DiT model.",

@@ -45,7 +45,7 @@ STEP_MODULES = {
     "ar": "components.ar",
     "dit": "components.dit",
     "summary": "components.summary",
-    "sweep": "components.sweep",
+    "sweep": "pipeline.sweep",
 }
 # Which image runs which step (pipeline.images.IMAGES lists what each image must carry for them).
 STEP_IMAGE = {"shard": "tools", "summary": "tools", "ar": "gpu", "dit": "gpu", "sweep": "gpu"}

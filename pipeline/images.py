@@ -60,7 +60,7 @@ IMAGES = {
     "gpu": Image(
         name="ardit-gpu",
         requirements="images/requirements-gpu.txt",
-        steps=("components.ar", "components.dit", "components.sweep"),
+        steps=("components.ar", "components.dit", "pipeline.sweep"),
         # The CUDA build of Mooncake (GPU memory registration, RDMA): built against CUDA 12, so it
         # loads libcudart.so.12, which this wheel ships (the CUDA 13 driver runs CUDA 12 code).
         provides={"mooncake": ("mooncake-transfer-engine",)},

@@ -185,7 +185,7 @@ def test_kfp_accuracy_sweep(kfp_dir):
         assert mounts == ({SWEEP_OUTPUT, "/weights"} if branch == "weights-pvc" else {SWEEP_OUTPUT})
         assert ex["emptyDirMounts"][0]["mountPath"] == "/dev/shm"
     c = spec["deploymentSpec"]["executors"]["exec-sweep"]["container"]
-    assert c["command"][-3:] == ["python", "-m", "components.sweep"]
+    assert c["command"][-3:] == ["python", "-m", "pipeline.sweep"]
     assert _launcher_options(c["command"])["--no-retry-exit-codes"] == "1,2"  # a failed gate is a result
     assert c["args"][:2] == ["sweep", "/spec/spec.yaml"] and "--resume" in c["args"]
     assert c["resources"]["accelerator"]["resourceCount"].endswith("tensor_parallel_size']}}")

@@ -109,11 +109,11 @@ def test_gpu_image_has_the_cuda_mooncake_and_the_tools_image_the_cpu_one():
 
 def test_coverage_check_would_catch_skimage_missing_from_the_sweeps_image():
     """Negative control: the sweep checked against the tools image's requirements misses skimage."""
-    missing = uncovered("components.sweep", IMAGES["tools"], _requirements("tools"))
+    missing = uncovered("pipeline.sweep", IMAGES["tools"], _requirements("tools"))
     assert "skimage" in missing and "matplotlib" in missing
     gpu = _requirements("gpu")
     del gpu["scikit-image"]
-    assert set(uncovered("components.sweep", IMAGES["gpu"], gpu)) == {"skimage"}
+    assert set(uncovered("pipeline.sweep", IMAGES["gpu"], gpu)) == {"skimage"}
 
 
 def test_build_time_check_fails_on_a_missing_lazy_import(tmp_path, monkeypatch):

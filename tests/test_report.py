@@ -11,10 +11,12 @@ from typer.testing import CliRunner
 
 from components.report.__main__ import main as report_main
 from components.report.render import build_context, write_report
-from components.sweep.cli import app
+from components.sweep.cli import make_app
 from components.sweep.runner import run_sweep
 from components.sweep.spec import parse_spec
 from tests.fixtures_sweep import ROW_IDS, fake_runner, spec_dict
+
+app = make_app(lambda: fake_runner)
 
 
 class _Tags(HTMLParser):

@@ -1,4 +1,5 @@
-"""The one seam to pipeline.local.run_job: what is passed, what is dropped, what is an error."""
+"""The one seam between sweeps and pipeline.local.run_job (pipeline/sweep.py): what is passed, what is
+dropped, what is an error."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from components.sweep.runner import AR_FROM_PARAM, run_job_adapter
+from components.sweep.runner import AR_FROM_PARAM
+from pipeline.sweep import UnsupportedSetting, run_job_adapter
 
 
 def _install(monkeypatch: pytest.MonkeyPatch, run_job: Any) -> list[dict[str, Any]]:
@@ -57,5 +59,39 @@ def test_a_sweep_parameter_the_runner_lacks_is_an_error(monkeypatch, tmp_path: P
         return {}
 
     _install(monkeypatch, run_job)
-    with pytest.raises(TypeError, match="does not accept 'dtype'"):
+    with pytest.raises(UnsupportedSetting, match="does not accept 'dtype'"):
         run_job_adapter({"dataset": "d", "dtype": "bfloat16"}, tmp_path, "cfg", None)
+
+
+def test_quantization_and_tensor_parallel_pass_through_or_fail_clearly(monkeypatch, tmp_path: Path) -> None:
+    def old_run_job(dataset: str, output: str, run_id: str, steps: int | None = None) -> dict:
+        return {}
+
+    calls = _install(monkeypatch, old_run_job)
+    # Neutral values are what the job does anyway: left out for a run_job without the parameters.
+    run_job_adapter({"dataset": "d", "quantization": "none", "tensor_parallel_size": 1}, tmp_path, "bf16", None)
+    assert calls[-1] == {"dataset": "d", "output": str(tmp_path), "run_id": "bf16"}
+    with pytest.raises(UnsupportedSetting, match="quantization=fp8 is not supported") as exc:
+        run_job_adapter({"dataset": "d", "quantization": "fp8"}, tmp_path, "fp8", None)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(UnsupportedSetting, match="tensor_parallel_size=2"):
+        run_job_adapter({"dataset": "d", "tensor_parallel_size": 2}, tmp_path, "tp2", None)
+
+    def new_run_job(dataset: str, output: str, run_id: str, quantization: str | None = None,
+                    tensor_parallel_size: int = 1) -> dict:  # fmt: skip
+        return {}
+
+    calls = _install(monkeypatch, new_run_job)
+    run_job_adapter({"dataset": "d", "quantization": "fp8", "tensor_parallel_size": 2}, tmp_path, "fp8-tp2", None)
+    assert calls[-1]["quantization"] == "fp8" and calls[-1]["tensor_parallel_size"] == 2
+
+
+def test_settings_left_to_the_model_are_not_passed(monkeypatch, tmp_path: Path) -> None:
+    """A spec without steps/guidance leaves them None: run_job takes the model's generation config."""
+
+    def run_job(dataset: str, output: str, run_id: str, steps: int | None = None, guidance: float | None = None) -> dict:
+        return {}
+
+    calls = _install(monkeypatch, run_job)
+    run_job_adapter({"dataset": "d", "steps": None, "guidance": 3.0}, tmp_path, "g3", None)
+    assert calls[-1] == {"dataset": "d", "guidance": 3.0, "output": str(tmp_path), "run_id": "g3"}

@@ -12,8 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-import components.sweep.runner as runner_mod
-from components.sweep.cli import app
+from components.sweep.cli import make_app
 from components.sweep.runner import JobOutcome, run_sweep
 from components.sweep.spec import parse_spec
 from tests.fixtures_sweep import PROMPT_TOKENS, RECOMPUTE_SIGMA, fake_rows, fake_runner, spec_dict, write_run
@@ -162,8 +161,8 @@ def _write_spec(tmp_path: Path, **over: Any) -> Path:
     return path
 
 
-def test_cli_exits_1_when_a_gate_fails_and_0_when_all_pass(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(runner_mod, "run_job_adapter", fake_runner)
+def test_cli_exits_1_when_a_gate_fails_and_0_when_all_pass(tmp_path) -> None:
+    app = make_app(lambda: fake_runner)
     cli = CliRunner()
     failing = cli.invoke(
         app, ["sweep", str(_write_spec(tmp_path)), "--output", str(tmp_path / "out"), "--sweep-id", "fail"]

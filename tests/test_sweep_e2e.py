@@ -27,7 +27,7 @@ def _run_job_available() -> bool:
     not _run_job_available(), reason="pipeline.local.run_job does not exist yet (the lead's local runner)"
 )
 def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
-    from components.sweep.cli import app
+    from pipeline.sweep import app
 
     result = CliRunner().invoke(app, ["sweep", str(TINY), "--output", str(tmp_path), "--sweep-id", "tiny"])
     sweep_dir = tmp_path / "tiny"

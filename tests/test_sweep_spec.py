@@ -8,7 +8,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from components.sweep.cli import app
+from components.sweep.cli import make_app
 from components.sweep.spec import (
     AR_DIVERSITY,
     DETERMINISM,
@@ -19,7 +19,9 @@ from components.sweep.spec import (
     load_spec,
     parse_spec,
 )
-from tests.fixtures_sweep import spec_dict
+from tests.fixtures_sweep import fake_runner, spec_dict
+
+app = make_app(lambda: fake_runner)
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "sweeps" / "tiny.yaml"
 

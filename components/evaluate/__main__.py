@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from components.evaluate.gates import Thresholds, fmt_db
-from components.evaluate.run import CONFIG_METRICS_FILE, METRICS_FILE, evaluate_run
+from components.extras import MissingExtra, needs_extra, require_extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mean-abs-max", type=float)
     p.add_argument("--p99-abs-max", type=float)
     a = p.parse_args(argv)
+    try:
+        require_extra("sweep", "python -m components.evaluate", modules=("skimage",))  # PSNR, SSIM
+        with needs_extra("sweep", "python -m components.evaluate"):
+            from components.evaluate.run import CONFIG_METRICS_FILE, METRICS_FILE, evaluate_run
+    except MissingExtra as exc:
+        print(exc, file=sys.stderr)
+        return 2
     th = Thresholds(a.psnr_min, a.ssim_min, a.mean_abs_max, a.p99_abs_max)
     _, summary = evaluate_run(a.output, a.ref_run, a.run, th if th.active else None)
     print(

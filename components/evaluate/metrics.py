@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 from components.evaluate.runio import RunRow, load_latents, load_run_rows, read_image
 
@@ -94,6 +93,8 @@ def _ssim(a: np.ndarray, b: np.ndarray) -> float:
     win = min(7, side if side % 2 == 1 else side - 1)
     if win < 3:
         return float("nan")
+    from skimage.metrics import structural_similarity  # ardit[sweep], imported when first used
+
     return float(structural_similarity(a, b, channel_axis=-1, data_range=1.0, win_size=win))
 
 
@@ -116,6 +117,8 @@ def compare_images(ref: ImageLike, other: ImageLike) -> dict[str, Any]:
     if mse == 0.0:
         psnr = math.inf
     else:
+        from skimage.metrics import peak_signal_noise_ratio  # ardit[sweep], imported when first used
+
         psnr = float(peak_signal_noise_ratio(a, b, data_range=1.0))
     flat = delta.ravel()
     out: dict[str, Any] = {

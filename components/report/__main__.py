@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from components.report.run import run
+from components.extras import MissingExtra, needs_extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,7 +14,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="HTML file (default SWEEP_DIR/report.html)")
     p.add_argument("--max-rows", type=int, default=24, help="rows shown as image grids, worst first")
     a = p.parse_args(argv)
-    print(f"report: {run(a.sweep_dir, a.out, a.max_rows)}")
+    try:
+        with needs_extra("sweep", "python -m components.report"):
+            from components.report.run import run
+        path = run(a.sweep_dir, a.out, a.max_rows)
+    except (MissingExtra, FileNotFoundError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(f"report: {path}")
     return 0
 
 

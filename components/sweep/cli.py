@@ -1,73 +1,98 @@
-"""`ardit sweep SPEC` and `ardit report SWEEP_DIR` (typer). Register in pipeline/cli.py with
-`app.add_typer(components.sweep.cli.app)` or `app.command("sweep")(sweep)` / `app.command("report")(report)`."""
+"""The `sweep` and `report` commands (typer), built around a job runner:
+
+    app = make_app(lambda: my_job_runner)    # pipeline/sweep.py passes pipeline.local.run_job
+
+`ardit sweep` / `ardit report` and `python -m pipeline.sweep` are that app. The runner factory is
+called only when a sweep really runs, so `--dry-run` and `report` never load an engine.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-app = typer.Typer(help="Accuracy sweeps and reports.", no_args_is_help=True, add_completion=False)
+from components.extras import MissingExtra, needs_extra, require_extra
+
+if TYPE_CHECKING:
+    from components.sweep.runner import JobRunner
+
+DOCS = "docs/sweeps.md"
 
 
-@app.command("sweep")
-def sweep(
-    spec: Annotated[Path, typer.Argument(help="sweep spec (YAML)", exists=True, dir_okay=False)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="where sweeps are written")] = Path("sweeps"),
-    sweep_id: Annotated[str | None, typer.Option(help="sweep directory name (default: NAME-UTCTIME)")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the expanded grid and exit")] = False,
-    resume: Annotated[bool, typer.Option(help="keep configs whose run already finished (needs --sweep-id)")] = False,
-) -> None:
-    """Run every config of SPEC, evaluate it against the reference, write the tables and the report.
-
-    Writes OUTPUT/SWEEP_ID/{sweep.parquet, rows.parquet, budget.parquet, report.html}; exits 1 when
-    a gated config fails its thresholds or a run fails (after writing the report)."""
-    from components.sweep.runner import expanded_grid_text, run_sweep
-    from components.sweep.spec import SpecError, load_spec
-
-    try:
-        parsed = load_spec(spec)
-    except SpecError as exc:
-        typer.echo(f"invalid spec {spec}: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    typer.echo(f"sweep {parsed.name}: {len(parsed.configs)} configs, reference {parsed.reference}, "
-               f"dataset {parsed.base['dataset']}")  # fmt: skip
-    typer.echo(expanded_grid_text(parsed))
-    if dry_run:
-        return
-    if resume and not sweep_id:
-        typer.echo("--resume needs --sweep-id", err=True)
-        raise typer.Exit(2)
-    result = run_sweep(parsed, output, sweep_id, resume=resume, log=typer.echo)
-    typer.echo(f"sweep written to {result.sweep_dir}")
-    if result.report:
-        typer.echo(f"report: {result.report}")
-    if not result.passed:
-        for f in result.failures:
-            typer.echo(f"FAIL {f}", err=True)
-        raise typer.Exit(1)
-    typer.echo("all gates passed")
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(message, err=True)
+    return typer.Exit(code)
 
 
-@app.command("report")
-def report(
-    sweep_dir: Annotated[
-        Path, typer.Argument(help="a sweep directory ({output}/{sweep_id})", exists=True, file_okay=False)
-    ],
-    out: Annotated[Path | None, typer.Option("--out", help="HTML file (default SWEEP_DIR/report.html)")] = None,
-    max_rows: Annotated[int, typer.Option(help="rows shown as image grids (worst first)")] = 24,
-) -> None:
-    """Write the self-contained HTML report of a finished sweep."""
-    from components.report.render import write_report
+def make_app(job_runner: Callable[[], JobRunner]) -> typer.Typer:
+    app = typer.Typer(help="Accuracy sweeps and reports.", no_args_is_help=True, add_completion=False)
 
-    try:
-        path = write_report(sweep_dir, out, max_rows=max_rows)
-    except FileNotFoundError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from exc
-    typer.echo(f"report: {path}")
+    @app.command("sweep")
+    def sweep(
+        spec: Annotated[Path, typer.Argument(help=f"sweep spec (YAML, keys in {DOCS})", exists=True, dir_okay=False)],
+        output: Annotated[Path, typer.Option("--output", "-o", help="where sweeps are written")] = Path("sweeps"),
+        sweep_id: Annotated[str | None, typer.Option(help="sweep directory name (default: NAME-UTCTIME)")] = None,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="print the expanded grid and exit")] = False,
+        resume: Annotated[
+            bool,
+            typer.Option(help="keep configs whose run finished with the same settings; rerun changed ones "
+                              "(needs --sweep-id)"),  # fmt: skip
+        ] = False,
+    ) -> None:
+        """Run every config of SPEC, evaluate it against the reference, write the tables and the report.
 
+        Writes OUTPUT/SWEEP_ID/{sweep.parquet, rows.parquet, budget.parquet, report.html}; exits 1 when
+        a gated config fails its thresholds or a run fails (after writing the report), 2 on a bad spec."""
+        from components.sweep.spec import SpecError, expanded_grid_text, load_spec
 
-if __name__ == "__main__":
-    app()
+        try:
+            parsed = load_spec(spec)
+        except SpecError as exc:
+            raise _fail(f"invalid spec {spec}: {exc} (spec keys: {DOCS})") from None
+        typer.echo(f"sweep {parsed.name}: {len(parsed.configs)} configs, reference {parsed.reference}, "
+                   f"dataset {parsed.base['dataset']}")  # fmt: skip
+        typer.echo(expanded_grid_text(parsed))
+        if dry_run:
+            return
+        if resume and not sweep_id:
+            raise _fail("--resume needs --sweep-id (the directory name under --output to resume)")
+        try:
+            require_extra("sweep", "ardit sweep")  # before any job runs, not after the last one
+            with needs_extra("sweep", "ardit sweep"):
+                from components.sweep.runner import run_sweep
+        except MissingExtra as exc:
+            raise _fail(str(exc)) from None
+        result = run_sweep(parsed, output, sweep_id, runner=job_runner(), resume=resume, log=typer.echo)
+        typer.echo(f"sweep written to {result.sweep_dir}")
+        if result.report:
+            typer.echo(f"report: {result.report}")
+        if not result.passed:
+            for f in result.failures:
+                typer.echo(f"FAIL {f}", err=True)
+            raise typer.Exit(1)
+        typer.echo("all gates passed")
+
+    @app.command("report")
+    def report(
+        sweep_dir: Annotated[
+            Path, typer.Argument(help="a sweep directory ({output}/{sweep_id})", exists=True, file_okay=False)
+        ],
+        out: Annotated[Path | None, typer.Option("--out", help="HTML file (default SWEEP_DIR/report.html)")] = None,
+        max_rows: Annotated[int, typer.Option(help="rows shown as image grids (worst first)")] = 24,
+    ) -> None:
+        """Write the self-contained HTML report of a finished sweep."""
+        try:
+            with needs_extra("sweep", "ardit report"):
+                from components.report.render import write_report
+        except MissingExtra as exc:
+            raise _fail(str(exc)) from None
+        try:
+            path = write_report(sweep_dir, out, max_rows=max_rows)
+        except FileNotFoundError as exc:
+            raise _fail(str(exc)) from None
+        typer.echo(f"report: {path}")
+
+    return app

@@ -10,12 +10,12 @@ rows.parquet           one row per (config, row id): all row metrics
 budget.parquet         the precision budget
 report.html            the self-contained report
 ```
-Jobs run through `run_job_adapter` (the one seam to `pipeline.local.run_job`); tests pass their own.
+Jobs run through the `runner` argument (pipeline/sweep.py passes `pipeline.local.run_job`; tests
+pass synthetic ones): components never import pipeline.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 import traceback
@@ -35,10 +35,8 @@ from components.evaluate.run import evaluate_run
 from components.sweep.budget import compute_budget
 from components.sweep.spec import REFERENCE, SweepConfig, SweepSpec
 
-# run_job keyword that makes a run take its AR outputs (and KV) from another run of the same output.
+# Job keyword that makes a run take its AR outputs (and KV) from another run of the same output.
 AR_FROM_PARAM = "ar_from_run"
-# Passed only when run_job accepts them; anything else it does not accept is an error.
-OPTIONAL_PARAMS = frozenset({"save_latents", AR_FROM_PARAM})
 
 
 @dataclass
@@ -48,31 +46,9 @@ class JobOutcome:
     ar_pinned: bool = False
 
 
+# Runs one config: (params, output root, run id, run to take the AR outputs from) -> outcome.
+# The sweep does not know how jobs run; pipeline/sweep.py passes `pipeline.local.run_job` wrapped.
 JobRunner = Callable[[dict[str, Any], Path, str, "str | None"], JobOutcome]
-
-
-def run_job_adapter(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
-    """Run one config with `pipeline.local.run_job(**params, output=, run_id=)`."""
-    from pipeline.local import run_job  # the lead's local runner; imported late so tests need no engine
-
-    kwargs: dict[str, Any] = {k: v for k, v in params.items() if v is not None}
-    kwargs.update(output=str(output), run_id=run_id)
-    if ar_from:
-        kwargs[AR_FROM_PARAM] = ar_from
-    sig = inspect.signature(run_job)
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
-    notes: list[str] = []
-    if not takes_any:
-        for key in list(kwargs):
-            if key in sig.parameters:
-                continue
-            if key in OPTIONAL_PARAMS:
-                kwargs.pop(key)
-                notes.append(f"run_job does not accept {key}; not passed")
-            else:
-                raise TypeError(f"pipeline.local.run_job does not accept {key!r} (sweep parameter)")
-    result = run_job(**kwargs)
-    return JobOutcome(result=result if isinstance(result, dict) else {}, notes=notes, ar_pinned=AR_FROM_PARAM in kwargs)
 
 
 @dataclass
@@ -97,13 +73,12 @@ def run_sweep(
     output: str | Path,
     sweep_id: str | None = None,
     *,
-    runner: JobRunner | None = None,
+    runner: JobRunner,
     resume: bool = False,
     report: bool = True,
     log: Callable[[str], None] = print,
 ) -> SweepResult:
     """Run, evaluate, tabulate and report a sweep. `resume` skips configs whose run finished."""
-    runner = runner or run_job_adapter  # looked up at call time so it can be swapped
     sweep_id = sweep_id or default_sweep_id(spec)
     sweep_dir = Path(output) / sweep_id
     runs = sweep_dir / "runs"
@@ -290,16 +265,6 @@ def _flat(rec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def expanded_grid_text(spec: SweepSpec) -> str:
-    rows = spec.grid_table()
-    cols = ["name", "role", "vs", "varied", "ar_from", "gates"]
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
-    lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
-    lines.append("  ".join("-" * widths[c] for c in cols))
-    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in cols) for r in rows]
-    return "\n".join(lines)
-
-
 __all__ = [
     "AR_FROM_PARAM",
     "REFERENCE",
@@ -307,8 +272,6 @@ __all__ = [
     "JobRunner",
     "SweepConfig",
     "SweepResult",
-    "expanded_grid_text",
-    "run_job_adapter",
     "run_sweep",
     "sweep_failures",
 ]

@@ -348,6 +348,16 @@ def _budget_configs(
     return out
 
 
+def expanded_grid_text(spec: SweepSpec) -> str:
+    rows = spec.grid_table()
+    cols = ["name", "role", "vs", "varied", "ar_from", "gates"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
+    lines.append("  ".join("-" * widths[c] for c in cols))
+    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
 def load_spec(path: str | Path) -> SweepSpec:
     p = Path(path)
     try:

@@ -1,3 +1,0 @@
-from components.sweep.cli import app
-
-app(prog_name="python -m components.sweep")
