@@ -66,13 +66,14 @@ def test_summary_marks_gates(sweep_dir: Path) -> None:
     status = {c["name"]: c["status"] for c in ctx["configs"]}
     assert status == {
         "reuse-s8": "REF", "reuse-s4": "FAIL", "recompute-s8": "PASS", "recompute-s4": "FAIL",
-        "determinism": "INFO", "reuse-drift": "INFO", "ar-diversity": "INFO",
+        "determinism": "PASS", "reuse-drift": "INFO", "ar-diversity": "INFO",
     }  # fmt: skip
     cls = {c["name"]: c["cls"] for c in ctx["configs"]}
     assert cls["reuse-s4"]["psnr"] == "bad" and cls["reuse-s4"]["ssim"] == "bad"
     assert cls["recompute-s8"]["psnr"] == "good"
-    assert cls["determinism"]["psnr"] == ""  # ungated: no colour
-    assert (ctx["n_gated"], ctx["n_gated_pass"]) == (3, 1)
+    assert cls["determinism"]["bitwise"] == "good" and cls["recompute-s8"]["bitwise"] == ""
+    assert cls["ar-diversity"]["psnr"] == ""  # ungated: no colour
+    assert (ctx["n_gated"], ctx["n_gated_pass"]) == (4, 2)
     html = (sweep_dir / "report.html").read_text()
     assert 'class="verdict FAIL"' in html
     assert html.count('class="badge FAIL"') >= 2

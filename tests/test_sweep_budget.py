@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,9 @@ def test_sweep_writes_the_tables(sweep_dir: Path) -> None:
         "reuse-s4",
         "recompute-s8",
         "recompute-s4",
-        "determinism",
         "reuse-drift",
         "ar-diversity",
+        "determinism",
     ]
     rows = _table(sweep_dir / "rows.parquet")
     assert len(rows) == 4 * 7
@@ -155,6 +156,41 @@ def test_resume_keeps_finished_runs(tmp_path) -> None:
     assert drift["note"].startswith("AR outputs taken from the reference run")  # kept from the first run
 
 
+def test_a_rerun_that_does_not_reproduce_fails_the_determinism_gate(tmp_path) -> None:
+    def runner(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
+        rows = fake_rows(params)
+        if run_id == "determinism":  # one pixel of one row moves by 1/255 on the re-run
+            rows[1]["image"] = rows[1]["image"].copy()
+            rows[1]["image"][3, 3, 0] ^= 1
+        write_run(output, run_id, rows)
+        return JobOutcome(ar_pinned=ar_from is not None)
+
+    budget_only = {"grid": {"kv_reuse": [True]}, "reference": "reuse"}
+    strict = run_sweep(parse_spec(spec_dict(**budget_only)), tmp_path, "strict", runner=runner, log=_quiet, report=False)
+    assert [f.split(":")[0] for f in strict.failures] == ["determinism"]
+    assert "r1: not bitwise identical" in strict.failures[0]
+    assert strict.verdict_line.startswith("FAIL: 1 config(s) fail (determinism)")
+
+    loose = parse_spec(spec_dict(**budget_only, precision_budget={"determinism": {"psnr_min": 60}}))
+    ok = run_sweep(loose, tmp_path, "loose", runner=runner, log=_quiet, report=False)
+    assert ok.passed, ok.failures
+
+
+def test_cli_and_report_use_one_verdict_vocabulary(tmp_path) -> None:
+    from components.report.render import build_context
+
+    spec = _write_spec(tmp_path)
+    result = CliRunner().invoke(make_app(lambda: fake_runner), ["sweep", str(spec), "--output", str(tmp_path), "--sweep-id", "v"])
+    assert result.exit_code == 1, result.output
+    printed = dict(re.findall(r"^\[(\S+)\] (REF|PASS|FAIL|INFO)\b", result.output, flags=re.M))
+    shown = {c["name"]: c["status"] for c in build_context(tmp_path / "v")["configs"]}
+    stored = {r["config"]: r["verdict"] for r in _table(tmp_path / "v" / "sweep.parquet")}
+    assert printed == shown == stored
+    assert shown["reuse-s8"] == "REF" and shown["determinism"] == "PASS"
+    assert shown["reuse-drift"] == shown["ar-diversity"] == "INFO"  # not gated: never called PASS
+    assert "FAIL: 2 config(s) fail (reuse-s4, recompute-s4) · 2/4 gated configs pass · 2 INFO (not gated)" in result.output
+
+
 def _write_spec(tmp_path: Path, **over: Any) -> Path:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec_dict(**over)))
@@ -174,7 +210,7 @@ def test_cli_exits_1_when_a_gate_fails_and_0_when_all_pass(tmp_path) -> None:
     passing = cli.invoke(app, ["sweep", str(_write_spec(tmp_path, overrides=PASSING_OVERRIDES)),
                                "--output", str(tmp_path / "out"), "--sweep-id", "pass"])  # fmt: skip
     assert passing.exit_code == 0, passing.output
-    assert "all gates passed" in passing.output
+    assert "PASS · 4/4 gated configs pass" in passing.output
 
 
 def test_sample_dataset_is_written_into_the_sweep(tmp_path) -> None:

@@ -9,6 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from components.sweep.cli import make_app
+from components.evaluate.gates import Thresholds
 from components.sweep.spec import (
     AR_DIVERSITY,
     DETERMINISM,
@@ -34,9 +35,9 @@ def test_tiny_example_expands_to_grid_plus_budget() -> None:
         "reuse-s4",
         "recompute-s8",
         "recompute-s4",
-        "determinism",
         "reuse-drift",
         "ar-diversity",
+        "determinism",
     ]
     assert spec.reference == "reuse-s8"
     roles = {c.name: c.role for c in spec.configs}
@@ -57,7 +58,9 @@ def test_tiny_example_gates() -> None:
     assert c["recompute-s8"].gated and c["recompute-s8"].thresholds.psnr_min == 30
     assert not c["reuse-s4"].gated and not c["recompute-s4"].gated  # override gate: false
     assert not c["reuse-s8"].gated  # the reference is never gated against itself
-    assert not c["determinism"].gated
+    # the determinism floor is gated: a re-run of the reference must reproduce its pixels
+    assert c["determinism"].gated and c["determinism"].thresholds == Thresholds(bitwise=True)
+    assert not c["reuse-drift"].gated and not c["ar-diversity"].gated
     drift = c["reuse-drift"]
     assert drift.params["kv_reuse"] is False and drift.ar_from == "reuse-s8"
     assert c["ar-diversity"].params["seed"] == 43
@@ -112,6 +115,21 @@ def test_budget_can_be_gated_and_disabled() -> None:
     assert all(c.role in (REFERENCE, GRID) for c in off.configs)
     default = parse_spec(spec_dict(precision_budget=True))
     assert default.config("ar-diversity").params["seed"] == 43  # reference seed + 1
+    assert default.config("determinism").thresholds == Thresholds(bitwise=True)
+
+
+def test_determinism_gate_can_be_loosened_or_turned_off() -> None:
+    loose = parse_spec(spec_dict(precision_budget={"determinism": {"psnr_min": 60}}))
+    assert loose.config("determinism").thresholds == Thresholds(psnr_min=60)  # e.g. non-deterministic kernels
+    off = parse_spec(spec_dict(precision_budget={"determinism": {"gate": False}}))
+    assert not off.config("determinism").gated
+    named = parse_spec(spec_dict(overrides=[{"name": "determinism", "thresholds": {"bitwise": None, "psnr_min": 50}}]))
+    assert named.config("determinism").thresholds == Thresholds(psnr_min=50)
+    # a match override meant for grid configs does not loosen the floor
+    matched = parse_spec(spec_dict(overrides=[{"match": {"steps": 8}, "thresholds": {"psnr_min": 10}}]))
+    assert matched.config("determinism").thresholds == Thresholds(bitwise=True)
+    with pytest.raises(SpecError, match="no threshold left"):
+        parse_spec(spec_dict(precision_budget={"determinism": {"bitwise": False}}))
 
 
 @pytest.mark.parametrize(

@@ -11,15 +11,36 @@ import pyarrow as pa
 from components.evaluate.metrics import MISMATCH_LEVELS, OK, SIZE_MISMATCH, mismatch_key
 
 
+# One verdict vocabulary for a config, used by the sweep CLI, sweep.parquet and the report alike.
+REF, PASS, FAIL, INFO = "REF", "PASS", "FAIL", "INFO"
+VERDICTS: dict[str, str] = {
+    REF: "the reference: every other config is compared with it",
+    PASS: "gated: every row passes its thresholds",
+    FAIL: "a run or row failed, or a gated config missed a threshold (fails the sweep)",
+    INFO: "not gated: measured and shown, never fails the sweep on its numbers",
+}
+
+
+def config_verdict(passed: bool, gated: bool, reference: bool) -> str:
+    """The verdict of one config: a failure first, then the reference, then gated or not."""
+    if not passed:
+        return FAIL
+    if reference:
+        return REF
+    return PASS if gated else INFO
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Per-image gates (None = not checked). Defaults in the sweep spec follow vLLM-Omni's
-    pixel-accuracy test: PSNR >= 30 dB, SSIM >= 0.97, mean |delta| <= 0.03, p99 |delta| <= 0.30."""
+    pixel-accuracy test: PSNR >= 30 dB, SSIM >= 0.97, mean |delta| <= 0.03, p99 |delta| <= 0.30.
+    `bitwise: true` asks for identical pixels (the determinism floor of a re-run)."""
 
     psnr_min: float | None = None
     ssim_min: float | None = None
     mean_abs_max: float | None = None
     p99_abs_max: float | None = None
+    bitwise: bool | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Thresholds:
@@ -28,7 +49,10 @@ class Thresholds:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown threshold(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**{k: (None if v is None else float(v)) for k, v in data.items()})
+        bitwise = data.pop("bitwise", None)
+        if bitwise not in (None, True, False):
+            raise ValueError(f"bitwise must be true or false, not {bitwise!r}")
+        return cls(bitwise=bitwise or None, **{k: (None if v is None else float(v)) for k, v in data.items()})
 
     def merged(self, override: dict[str, Any] | None) -> Thresholds:
         """These thresholds with the keys of `override` replaced (a None value disables a gate)."""
@@ -45,7 +69,7 @@ class Thresholds:
         return any(v is not None for v in asdict(self).values())
 
     def describe(self) -> str:
-        parts = []
+        parts = ["bitwise identical"] if self.bitwise else []
         if self.psnr_min is not None:
             parts.append(f"PSNR ≥ {self.psnr_min:g} dB")
         if self.ssim_min is not None:
@@ -62,6 +86,8 @@ def row_violations(row: dict[str, Any], th: Thresholds) -> list[str]:
     if row.get("eval_status") != OK:
         return [f"{row.get('eval_status')}: {row.get('eval_error')}"]
     out = []
+    if th.bitwise and not row.get("bitwise"):
+        out.append(f"not bitwise identical (max |Δ| {row.get('max_abs', math.nan):.4g})")
     psnr, ssim = row.get("psnr"), row.get("ssim")
     if th.psnr_min is not None and not (psnr is not None and psnr >= th.psnr_min):
         out.append(f"PSNR {fmt_db(psnr)} < {th.psnr_min:g} dB")

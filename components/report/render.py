@@ -16,7 +16,7 @@ import jinja2
 import pyarrow.parquet as pq
 from PIL import Image
 
-from components.evaluate.gates import Thresholds, fmt_db, row_violations
+from components.evaluate.gates import FAIL, PASS, VERDICTS, Thresholds, config_verdict, fmt_db, row_violations
 from components.evaluate.metrics import (
     OK,
     SIZE_MISMATCH,
@@ -68,11 +68,11 @@ def _secs(v: Any) -> str:
 
 
 def _status(rec: dict[str, Any]) -> str:
-    if not rec.get("passed", False):
-        return "FAIL"
-    if rec.get("role") == "reference":
-        return "REF"
-    return "PASS" if rec.get("gated") else "INFO"
+    """The verdict the sweep stored (the one the CLI printed); recomputed the same way for old sweeps."""
+    stored = rec.get("verdict")
+    if stored:
+        return str(stored)
+    return config_verdict(bool(rec.get("passed", False)), bool(rec.get("gated")), rec.get("role") == "reference")
 
 
 def _rows_ok(rec: dict[str, Any]) -> str:
@@ -86,7 +86,7 @@ def _rows_ok(rec: dict[str, Any]) -> str:
 
 
 def _cell_classes(rec: dict[str, Any], th: Thresholds | None) -> dict[str, str]:
-    cls = {"rows": "", "psnr": "", "ssim": "", "mean_abs": "", "p99": ""}
+    cls = {"rows": "", "psnr": "", "ssim": "", "mean_abs": "", "p99": "", "bitwise": ""}
     resized_ok = 0 if rec.get("gated") else (rec.get("rows_size_mismatch") or 0)
     if (rec.get("rows_failed_eval") or 0) > resized_ok or rec.get("run_error") or rec.get("eval_error"):
         cls["rows"] = "bad"
@@ -102,6 +102,8 @@ def _cell_classes(rec: dict[str, Any], th: Thresholds | None) -> dict[str, str]:
         v = _num(rec.get(col))
         if t is not None and v is not None:
             cls[key] = "good" if ok(v, t) else "bad"
+    if th.bitwise:
+        cls["bitwise"] = "good" if rec.get("bitwise_rows") == rec.get("rows") else "bad"
     return cls
 
 
@@ -224,7 +226,8 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
     any_small = any(r.get("small") for r in row_ctx)
     return {
         "meta": meta,
-        "verdict": "PASS" if meta.get("passed") else "FAIL",
+        "verdict": PASS if meta.get("passed") else FAIL,
+        "verdict_words": VERDICTS,
         "configs": config_rows,
         "n_gated": len(gated),
         "n_gated_pass": sum(1 for c in gated if c.get("passed")),
@@ -307,7 +310,7 @@ def _row_context(
         ctx["cells"].append(cell)
         if rec is None:
             cell["error"] = "no metrics for this row (run or evaluation failed)"
-            cell["badge"] = "FAIL"
+            cell["badge"] = FAIL
             continue
         th = cfg_th.get(name)
         if rec.get("eval_status") == SIZE_MISMATCH:
@@ -315,12 +318,12 @@ def _row_context(
             if img is not None and ref_img is not None:
                 cell["img"] = plots.png_data_uri(plots.thumbnail(img))
                 cell["size_note"] = f"size differs: {img.size[0]}×{img.size[1]} vs {ref_img.size[0]}×{ref_img.size[1]}"
-                cell["badge"] = "FAIL" if th is not None and th.active else "SIZE"
+                cell["badge"] = FAIL if th is not None and th.active else "SIZE"
                 cell["extra"] = _extra(rec)
                 continue
         if rec.get("eval_status") != OK:
             cell["error"] = f"{rec.get('eval_status')}: {rec.get('eval_error')}"
-            cell["badge"] = "FAIL"
+            cell["badge"] = FAIL
             continue
         path = _find_image(rec.get("image_path"), runs, name, rid)
         img = _open(path)
@@ -346,7 +349,7 @@ def _row_context(
         )
         cell["extra"] = _extra(rec)
         if th is not None and th.active and not cell["bitwise"]:
-            cell["badge"] = "FAIL" if row_violations(rec, th) else "PASS"
+            cell["badge"] = FAIL if row_violations(rec, th) else "PASS"
         if name in ranking and psnr is not None and psnr < worst_psnr:
             worst_name, worst_psnr = name, psnr
     failed = [c["config"] for c in ctx["cells"] if c.get("error")]

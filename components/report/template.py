@@ -132,7 +132,7 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
         <td class="{{ c.cls.ssim }}">{{ c.ssim_min }}</td>
         <td class="{{ c.cls.mean_abs }}">{{ c.mean_abs_max }}</td>
         <td class="{{ c.cls.p99 }}">{{ c.p99_abs_max }}</td>
-        <td>{{ c.bitwise }}</td>
+        <td class="{{ c.cls.bitwise }}">{{ c.bitwise }}</td>
         <td>{{ c.cot }}</td>
         <td>{{ c.time }}</td>
         <td>{{ c.speedup }}</td>
@@ -219,7 +219,8 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
 <h2>Definitions</h2>
 <div class="panel">
 <dl class="defs">
-  <dt>PSNR</dt><dd>skimage.metrics.peak_signal_noise_ratio, data_range 1, pixels in [0, 1]; ∞ when identical.</dd>
+  {% for word, meaning in verdict_words.items() %}<dt><span class="badge {{ word }}">{{ word }}</span></dt><dd>{{ meaning }}</dd>
+  {% endfor %}<dt>PSNR</dt><dd>skimage.metrics.peak_signal_noise_ratio, data_range 1, pixels in [0, 1]; ∞ when identical.</dd>
   <dt>SSIM</dt><dd>skimage.metrics.structural_similarity, channel_axis −1, data_range 1, 7×7 window.</dd>
   <dt>|Δ|</dt><dd>absolute difference of every channel value; mean and percentiles over H×W×C.</dd>
   <dt>bitwise</dt><dd>decoded pixel arrays identical.</dd>

@@ -69,11 +69,11 @@ def make_app(job_runner: Callable[[], JobRunner]) -> typer.Typer:
         typer.echo(f"sweep written to {result.sweep_dir}")
         if result.report:
             typer.echo(f"report: {result.report}")
+        typer.echo(result.verdict_line)
         if not result.passed:
             for f in result.failures:
                 typer.echo(f"FAIL {f}", err=True)
             raise typer.Exit(1)
-        typer.echo("all gates passed")
 
     @app.command("report")
     def report(

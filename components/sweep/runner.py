@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from components.evaluate.gates import fmt_db, records_to_table
+from components.evaluate.gates import FAIL, INFO, PASS, REF, config_verdict, fmt_db, records_to_table
 from components.evaluate.metrics import OK, SIZE_MISMATCH
 from components.evaluate.run import evaluate_run
 from components.sweep.budget import compute_budget
@@ -58,6 +58,7 @@ class SweepResult:
     configs: list[dict[str, Any]]
     failures: list[str]
     report: Path | None
+    verdict_line: str = ""
 
 
 def default_sweep_id(spec: SweepSpec) -> str:
@@ -138,6 +139,7 @@ def run_sweep(
         "started": started,
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "passed": passed,
+        "verdict_line": verdict_line(config_records),
         "failures": failures,
     }
     (sweep_dir / "sweep.json").write_text(json.dumps(meta, indent=2, default=str))
@@ -148,7 +150,7 @@ def run_sweep(
 
         report_path = write_report(sweep_dir)
         log(f"report: {report_path}")
-    return SweepResult(sweep_dir, passed, config_records, failures, report_path)
+    return SweepResult(sweep_dir, passed, config_records, failures, report_path, meta["verdict_line"])
 
 
 def materialize_dataset(ds: str | dict[str, Any], sweep_dir: Path) -> str:
@@ -207,6 +209,7 @@ def evaluate_sweep(
         baseline = cfg.baseline or cfg.name
         if st["run_error"] or states.get(baseline, {}).get("run_error"):
             rec["passed"] = False
+            rec["verdict"] = FAIL
             rec["violations"] = [st["run_error"] or f"baseline {baseline} failed"]
             config_records.append(rec)
             continue
@@ -215,6 +218,7 @@ def evaluate_sweep(
         except (FileNotFoundError, ValueError) as exc:
             rec["eval_error"] = str(exc)
             rec["passed"] = False
+            rec["verdict"] = FAIL
             rec["violations"] = [f"evaluation failed: {exc}"]
             config_records.append(rec)
             log(f"[{cfg.name}] evaluation FAILED: {exc}")
@@ -236,13 +240,26 @@ def evaluate_sweep(
             r["config"] = cfg.name
             r["role"] = cfg.role
         row_records += rows
+        rec["verdict"] = config_verdict(rec["passed"], cfg.gated, cfg.role == REFERENCE)
         config_records.append(rec)
-        verdict = "PASS" if rec["passed"] else "FAIL"
+        against = "(its own rows)" if rec["verdict"] == REF else f"vs {baseline}"
+        gates = cfg.thresholds.describe() if cfg.gated else "not gated"
         log(
-            f"[{cfg.name}] {verdict} vs {baseline}: {rec['rows_compared']}/{rec['rows']} rows compared, "
+            f"[{cfg.name}] {rec['verdict']} {against} ({gates}): {rec['rows_compared']}/{rec['rows']} rows compared, "
             f"PSNR min {fmt_db(rec['psnr_min'])} dB, bitwise {rec['bitwise_rows']}/{rec['rows']}"
         )
     return config_records, row_records
+
+
+def verdict_line(config_records: list[dict[str, Any]]) -> str:
+    """The sweep's verdict in the words the report uses: PASS or FAIL, gated configs passing, INFO."""
+    verdicts = {r["config"]: r.get("verdict", FAIL) for r in config_records}
+    failed = [n for n, v in verdicts.items() if v == FAIL]
+    gated = [r for r in config_records if r.get("gated")]
+    passing = sum(1 for r in gated if verdicts[r["config"]] == PASS)
+    info = sum(1 for v in verdicts.values() if v == INFO)
+    head = f"FAIL: {len(failed)} config(s) fail ({', '.join(failed)})" if failed else "PASS"
+    return f"{head} · {passing}/{len(gated)} gated configs pass · {info} INFO (not gated)"
 
 
 def sweep_failures(config_records: list[dict[str, Any]]) -> list[str]:
