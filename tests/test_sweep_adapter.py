@@ -95,3 +95,31 @@ def test_settings_left_to_the_model_are_not_passed(monkeypatch, tmp_path: Path) 
     calls = _install(monkeypatch, run_job)
     run_job_adapter({"dataset": "d", "steps": None, "guidance": 3.0}, tmp_path, "g3", None)
     assert calls[-1] == {"dataset": "d", "guidance": 3.0, "output": str(tmp_path), "run_id": "g3"}
+
+
+def test_an_fp8_sweep_before_the_engine_supports_fp8(monkeypatch, tmp_path: Path) -> None:
+    """examples/sweeps/fp8.yaml against a run_job without `quantization`: the fp8 config fails in one
+    recorded line, the bf16 reference and its re-run still run, and the report is written."""
+    import json
+
+    from components.sweep.runner import run_sweep
+    from components.sweep.spec import load_spec
+    from tests.fixtures_sweep import fake_rows, write_run
+
+    def run_job(dataset: str, output: str, run_id: str, kind: str = "edit", model: str = "tiny", num_shards: int = 1,
+                dtype: str | None = None, seed: int = 0, kv_reuse: bool = True, temperature: float | None = None,
+                save_latents: bool = False) -> dict:  # fmt: skip
+        write_run(Path(output), run_id, fake_rows({"seed": seed, "kv_reuse": kv_reuse}), num_shards=num_shards)
+        return {"run_id": run_id}
+
+    calls = _install(monkeypatch, run_job)
+    spec = load_spec(Path(__file__).resolve().parents[1] / "examples" / "sweeps" / "fp8.yaml")
+    result = run_sweep(spec, tmp_path, "fp8", runner=run_job_adapter, log=lambda _: None)
+    assert [c["run_id"] for c in calls] == ["noquant", "determinism"]
+    assert result.failures == ["fp8: UnsupportedSetting: quantization=fp8 is not supported by this ardit's job "
+                               "runner yet (pipeline.local.run_job has no quantization parameter)"]  # fmt: skip
+    verdicts = {c["config"]: c["verdict"] for c in result.configs}
+    assert verdicts == {"noquant": "REF", "fp8": "FAIL", "determinism": "PASS"}
+    states = json.loads((result.sweep_dir / "sweep.json").read_text())["states"]
+    assert "\n" not in states["fp8"]["run_error"]
+    assert "quantization=fp8 is not supported" in result.report.read_text()

@@ -177,3 +177,56 @@ def test_invalid_spec_exits_2(tmp_path) -> None:
     result = CliRunner().invoke(app, ["sweep", str(bad), "--dry-run"])
     assert result.exit_code == 2
     assert "reference" in result.output
+
+
+@pytest.mark.parametrize(
+    ("base", "grid", "message"),
+    [
+        ({"precision": "bfloat16"}, {}, "unknown parameter 'precision' (did you mean 'dtype'?)"),
+        ({"tp": 2}, {}, "did you mean 'tensor_parallel_size'?"),
+        ({"stesp": 4}, {}, "did you mean 'steps'?"),
+        ({"dtype": "float8"}, {}, "FP8 is quantization: fp8, not a dtype"),
+        ({"steps": 0}, {}, "base.steps: 0 is not valid; expected an integer >= 1"),
+        ({"guidance": -1.0}, {}, "base.guidance: -1.0 is not valid"),
+        ({"kv_reuse": "yes"}, {}, "true or false"),
+        ({"top_p": 1.5}, {}, "(0, 1]"),
+        ({}, {"quantization": ["none", "int8"]}, "grid.quantization[1]: 'int8' is not valid; expected one of ['none', 'fp8']"),
+        ({}, {"tensor_parallel_size": [1, 0]}, "grid.tensor_parallel_size[1]: 0 is not valid"),
+        ({}, {"steps": [8, None]}, "grid.steps[1]: null is not a value"),
+        ({}, {"precision": ["bfloat16"]}, "did you mean 'dtype'?"),
+    ],
+)
+def test_bad_parameters_and_values_are_named(base: dict, grid: dict, message: str) -> None:
+    spec = spec_dict(grid=grid or {"kv_reuse": [True]}, reference=None if grid else "reuse", precision_budget=False)
+    spec["base"] = {**spec["base"], **base}
+    if grid:
+        spec["reference"] = {k: v[0] for k, v in grid.items()}
+    with pytest.raises(SpecError) as exc:
+        parse_spec(spec)
+    assert message in str(exc.value)
+
+
+def test_quantization_and_tensor_parallel_axes() -> None:
+    spec = parse_spec(spec_dict(grid={"quantization": ["none", "fp8"], "tensor_parallel_size": [1, 2]},
+                                reference="noquant-tp1", precision_budget=False))  # fmt: skip
+    assert [c.name for c in spec.configs] == ["noquant-tp1", "noquant-tp2", "fp8-tp1", "fp8-tp2"]
+    assert spec.config("fp8-tp2").params["quantization"] == "fp8"
+    assert spec.config("fp8-tp2").params["tensor_parallel_size"] == 2
+
+
+def test_fp8_example() -> None:
+    spec = load_spec(TINY.parent / "fp8.yaml")
+    assert [c.name for c in spec.configs] == ["noquant", "fp8", "determinism"]
+    assert spec.reference == "noquant"
+    fp8 = spec.config("fp8")
+    assert fp8.params["quantization"] == "fp8" and fp8.params["dtype"] == "bfloat16"
+    assert fp8.gated and fp8.thresholds.psnr_min is not None
+
+
+def test_generation_settings_are_left_to_the_model() -> None:
+    """The examples do not pin steps/guidance in base: the job takes the model's generation config."""
+    for name in ("tiny.yaml", "fp8.yaml"):
+        spec = load_spec(TINY.parent / name)
+        assert "steps" not in spec.base and "guidance" not in spec.base, name
+    bare = parse_spec({"base": {"dataset": "d"}})
+    assert bare.config("base").params == {"dataset": "d", "kind": "edit", "model": "tiny", "num_shards": 1}

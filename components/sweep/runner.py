@@ -113,9 +113,9 @@ def run_sweep(
             state["notes"] += outcome.notes
             state["ar_pinned"] = outcome.ar_pinned
         except Exception as exc:  # noqa: BLE001  (a failed config fails the sweep; the others still run)
-            state["run_error"] = f"{type(exc).__name__}: {exc}"
-            log(f"[{cfg.name}] FAILED: {state['run_error']}")
+            state["run_error"] = _one_line(exc)
             (runs / f"{cfg.name}.error.txt").write_text(traceback.format_exc())
+            log(f"[{cfg.name}] FAIL: {state['run_error']} (traceback: {runs / cfg.name}.error.txt)")
         state["wall_s"] = time.perf_counter() - t0
 
     config_records, row_records = evaluate_sweep(spec, runs, states, log)
@@ -151,6 +151,11 @@ def run_sweep(
         report_path = write_report(sweep_dir)
         log(f"report: {report_path}")
     return SweepResult(sweep_dir, passed, config_records, failures, report_path, meta["verdict_line"])
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def materialize_dataset(ds: str | dict[str, Any], sweep_dir: Path) -> str:

@@ -29,16 +29,13 @@ from typing import Any
 import yaml
 
 from components.evaluate.gates import Thresholds
+from components.sweep.params import GRID_PARAMS, JOB_PARAMS, check_value, name_part, suggestion
 
-# Parameters of pipeline.local.run_job that a spec may set (output and run_id come from the sweep).
-JOB_PARAMS: tuple[str, ...] = (
-    "dataset", "kind", "num_shards", "model", "weights", "kv_store", "steps", "guidance", "seed",
-    "kv_reuse", "dtype", "temperature", "top_k", "top_p", "bot_task", "save_latents",
-)  # fmt: skip
-GRID_PARAMS: tuple[str, ...] = (
-    "kv_reuse", "steps", "guidance", "dtype", "temperature", "seed", "top_k", "top_p", "bot_task",
-)  # fmt: skip
+# Job settings the spec does not give are left to the job: generation settings (steps, guidance,
+# ...) then come from the model's generation config, as with `ardit edit` (components/sweep/params.py).
 DEFAULT_BASE: dict[str, Any] = {"kind": "edit", "model": "tiny", "num_shards": 1}
+TOP_LEVEL_KEYS = ("name", "description", "base", "grid", "reference", "thresholds", "overrides", "configs",
+                  "precision_budget")  # fmt: skip
 
 REFERENCE = "reference"
 GRID = "grid"
@@ -49,7 +46,6 @@ AR_DIVERSITY = "ar_diversity"
 BUDGET_ROLES = (DETERMINISM, REUSE_DRIFT, AR_DIVERSITY)
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8": "fp8"}
 
 
 class SpecError(ValueError):
@@ -140,25 +136,25 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
-def _name_part(key: str, value: Any) -> str:
-    if key == "kv_reuse":
-        return "reuse" if value else "recompute"
-    if key == "dtype":
-        return _DTYPE_SHORT.get(str(value), str(value))
-    prefix = {"steps": "s", "guidance": "g", "temperature": "t", "seed": "seed", "top_k": "k", "top_p": "p"}
-    if key in prefix:
-        return f"{prefix[key]}{value:g}" if isinstance(value, float) else f"{prefix[key]}{value}"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(value))
-
-
 def config_name(varied: dict[str, Any]) -> str:
-    return "-".join(_name_part(k, v) for k, v in varied.items()) or "base"
+    return "-".join(name_part(k, v) for k, v in varied.items()) or "base"
 
 
-def _check_keys(where: str, data: dict[str, Any], allowed: tuple[str, ...]) -> None:
-    unknown = set(data) - set(allowed)
+def _check_keys(where: str, data: dict[str, Any], allowed: tuple[str, ...], what: str = "parameter") -> None:
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: expected a mapping")
+    unknown = sorted(set(data) - set(allowed), key=str)
     if unknown:
-        raise SpecError(f"{where}: unknown parameter(s) {sorted(unknown)}; allowed: {list(allowed)}")
+        key = unknown[0]
+        raise SpecError(f"{where}: unknown {what} {key!r}{suggestion(str(key), allowed)}; allowed: {list(allowed)}")
+
+
+def _check_params(where: str, data: dict[str, Any], allowed: tuple[str, ...] = JOB_PARAMS) -> None:
+    _check_keys(where, data, allowed)
+    for key, value in data.items():
+        problem = check_value(f"{where}.{key}", key, value)
+        if problem:
+            raise SpecError(problem)
 
 
 def _thresholds(where: str, data: Any) -> Thresholds:
@@ -194,16 +190,12 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
     """Validate a spec mapping and expand it into configs (reference first)."""
     if not isinstance(data, dict):
         raise SpecError("spec must be a mapping")
-    known_top = {"name", "description", "base", "grid", "reference", "thresholds", "overrides",
-                 "configs", "precision_budget"}  # fmt: skip
-    unknown = set(data) - known_top
-    if unknown:
-        raise SpecError(f"unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(known_top)}")
+    _check_keys("spec", data, TOP_LEVEL_KEYS, "top-level key")
     name = str(data.get("name") or "sweep")
     if not _NAME_OK.match(name):
         raise SpecError(f"name {name!r}: use letters, digits, '.', '_' or '-'")
     base = {**DEFAULT_BASE, **(data.get("base") or {})}
-    _check_keys("base", base, JOB_PARAMS)
+    _check_params("base", base)
     if "dataset" not in base:
         raise SpecError("base.dataset is required")
     _check_dataset(base["dataset"])
@@ -219,6 +211,10 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
             raise SpecError(f"grid.{k}: expected a non-empty list")
         if len(set(map(json.dumps, vals))) != len(vals):
             raise SpecError(f"grid.{k}: duplicate values {vals}")
+        for i, v in enumerate(vals):
+            problem = check_value(f"grid.{k}[{i}]", k, v) if v is not None else f"grid.{k}[{i}]: null is not a value"
+            if problem:
+                raise SpecError(problem)
 
     thresholds = _thresholds("thresholds", data.get("thresholds"))
     overrides = data.get("overrides") or []
@@ -228,7 +224,7 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
         if not isinstance(ov, dict) or not ({"name", "match"} & set(ov)):
             raise SpecError(f"overrides[{i}]: needs 'name' or 'match'")
         if ov.get("match") is not None:
-            _check_keys(f"overrides[{i}].match", ov["match"], JOB_PARAMS)
+            _check_params(f"overrides[{i}].match", ov["match"])
 
     configs: list[SweepConfig] = []
     keys = list(grid)
@@ -241,7 +237,7 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
         if not isinstance(extra, dict) or "name" not in extra:
             raise SpecError(f"configs[{i}]: needs a name")
         params = extra.get("params") or {}
-        _check_keys(f"configs[{i}].params", params, JOB_PARAMS)
+        _check_params(f"configs[{i}].params", params)
         th = thresholds.merged(extra["thresholds"]) if extra.get("thresholds") else thresholds
         configs.append(SweepConfig(str(extra["name"]), {**base, **params}, EXTRA, None, th, dict(params)))
 
