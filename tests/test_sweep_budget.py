@@ -191,6 +191,81 @@ def test_cli_and_report_use_one_verdict_vocabulary(tmp_path) -> None:
     assert "FAIL: 2 config(s) fail (reuse-s4, recompute-s4) · 2/4 gated configs pass · 2 INFO (not gated)" in result.output
 
 
+def _guidance_runner(calls: list[str]):  # type: ignore[no-untyped-def]
+    """Writes the guidance a run was made with into its CoT, so the test can see which run is kept."""
+
+    def runner(params: dict[str, Any], output: Path, run_id: str, ar_from: str | None) -> JobOutcome:
+        calls.append(run_id)
+        rows = fake_rows(params)
+        for r in rows:
+            r["cot_text"] = f"guidance {params.get('guidance')}"
+        write_run(output, run_id, rows)
+        return JobOutcome(ar_pinned=ar_from is not None)
+
+    return runner
+
+
+def test_resume_reruns_configs_whose_settings_changed(tmp_path) -> None:
+    calls: list[str] = []
+    budget = {"determinism": True, "reuse_drift": True, "ar_diversity": False}
+    first = spec_dict(grid={"kv_reuse": [True]}, reference="reuse", precision_budget=budget,
+                      configs=[{"name": "cfg-g", "params": {"guidance": 5.0}}])  # fmt: skip
+    run_sweep(parse_spec(first), tmp_path, "s", runner=_guidance_runner(calls), log=_quiet, report=False)
+    assert calls == ["reuse", "cfg-g", "reuse-drift", "determinism"]
+
+    # guidance 5 -> 3 in one config: only that config reruns; the old run is kept aside, not relabelled
+    calls.clear()
+    lines: list[str] = []
+    changed = {**first, "configs": [{"name": "cfg-g", "params": {"guidance": 3.0}}]}
+    run_sweep(parse_spec(changed), tmp_path, "s", runner=_guidance_runner(calls), log=lines.append, resume=True,
+              report=False)  # fmt: skip
+    assert calls == ["cfg-g"]
+    (line,) = [x for x in lines if x.startswith("[cfg-g] settings changed")]
+    assert "(guidance 5.0 → 3.0): rerunning; old run moved to replaced/cfg-g-" in line
+    rows = [r for r in _table(tmp_path / "s" / "rows.parquet") if r["config"] == "cfg-g"]
+    assert rows and all(r["cot_similarity"] < 1 for r in rows)  # compared against the new run (guidance 3)
+    kept = pq.read_table(next((tmp_path / "s" / "runs" / "cfg-g" / "shards").glob("*/rows.parquet"))).to_pylist()
+    assert {r["cot_text"] for r in kept} == {"guidance 3.0"}
+    assert len(list((tmp_path / "s" / "replaced").iterdir())) == 1  # nothing already written is lost
+    meta = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert meta["states"]["cfg-g"]["settings"]["params"]["guidance"] == 3.0
+
+    # a changed reference reruns what depends on it: its re-run and the run that took its AR outputs
+    calls.clear()
+    moved_ref = {**changed, "base": {**changed["base"], "seed": 7}}
+    run_sweep(parse_spec(moved_ref), tmp_path, "s", runner=_guidance_runner(calls), log=_quiet, resume=True,
+              report=False)  # fmt: skip
+    assert calls == ["reuse", "cfg-g", "reuse-drift", "determinism"]
+
+    # the same spec again: everything kept
+    calls.clear()
+    run_sweep(parse_spec(moved_ref), tmp_path, "s", runner=_guidance_runner(calls), log=_quiet, resume=True,
+              report=False)  # fmt: skip
+    assert calls == []
+
+
+def test_a_run_without_recorded_settings_is_rerun_on_resume(tmp_path) -> None:
+    calls: list[str] = []
+    spec = parse_spec(spec_dict(grid={"kv_reuse": [True]}, reference="reuse", precision_budget=False))
+    run_sweep(spec, tmp_path, "s", runner=_guidance_runner(calls), log=_quiet, report=False)
+    (tmp_path / "s" / "runs" / "reuse.settings.json").unlink()  # e.g. a sweep from an older ardit
+    lines: list[str] = []
+    run_sweep(spec, tmp_path, "s", runner=_guidance_runner(calls), log=lines.append, resume=True, report=False)
+    assert calls == ["reuse", "reuse"]
+    assert any("no settings recorded with the existing run" in x for x in lines)
+
+
+def test_an_existing_sweep_id_needs_resume(tmp_path) -> None:
+    spec_path = _write_spec(tmp_path, precision_budget=False)
+    app = make_app(lambda: fake_runner)
+    args = ["sweep", str(spec_path), "--output", str(tmp_path / "out"), "--sweep-id", "s"]
+    CliRunner().invoke(app, args)
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 2
+    assert "sweep s already has runs" in again.output and "add --resume" in again.output
+    assert "Traceback" not in again.output
+
+
 def _write_spec(tmp_path: Path, **over: Any) -> Path:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec_dict(**over)))

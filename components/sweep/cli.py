@@ -62,10 +62,13 @@ def make_app(job_runner: Callable[[], JobRunner]) -> typer.Typer:
         try:
             require_extra("sweep", "ardit sweep")  # before any job runs, not after the last one
             with needs_extra("sweep", "ardit sweep"):
-                from components.sweep.runner import run_sweep
+                from components.sweep.runner import ResumeError, run_sweep
         except MissingExtra as exc:
             raise _fail(str(exc)) from None
-        result = run_sweep(parsed, output, sweep_id, runner=job_runner(), resume=resume, log=typer.echo)
+        try:
+            result = run_sweep(parsed, output, sweep_id, runner=job_runner(), resume=resume, log=typer.echo)
+        except ResumeError as exc:
+            raise _fail(str(exc)) from None
         typer.echo(f"sweep written to {result.sweep_dir}")
         if result.report:
             typer.echo(f"report: {result.report}")

@@ -33,6 +33,16 @@ from components.evaluate.gates import FAIL, INFO, PASS, REF, config_verdict, fmt
 from components.evaluate.metrics import OK, SIZE_MISMATCH
 from components.evaluate.run import evaluate_run
 from components.sweep.budget import compute_budget
+from components.sweep.resume import (
+    ResumeError,
+    config_settings,
+    describe_change,
+    existing_runs,
+    fingerprint,
+    move_aside,
+    read_settings,
+    write_settings,
+)
 from components.sweep.spec import REFERENCE, SweepConfig, SweepSpec
 
 # Job keyword that makes a run take its AR outputs (and KV) from another run of the same output.
@@ -79,10 +89,20 @@ def run_sweep(
     report: bool = True,
     log: Callable[[str], None] = print,
 ) -> SweepResult:
-    """Run, evaluate, tabulate and report a sweep. `resume` skips configs whose run finished."""
+    """Run, evaluate, tabulate and report a sweep.
+
+    `resume` keeps configs whose run finished with the settings the spec gives now, continues
+    unfinished ones, and reruns changed ones (the old run moves to `replaced/`). Without it, a sweep
+    directory that already holds runs is refused (ResumeError) before anything runs."""
     sweep_id = sweep_id or default_sweep_id(spec)
     sweep_dir = Path(output) / sweep_id
     runs = sweep_dir / "runs"
+    names = [c.name for c in spec.configs]
+    if not resume and runs.is_dir() and existing_runs(runs, names):
+        raise ResumeError(
+            f"sweep {sweep_id} already has runs in {runs} ({', '.join(existing_runs(runs, names))}): "
+            "add --resume to continue it (changed configs rerun) or choose another --sweep-id"
+        )
     runs.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "spec.yaml").write_text(yaml.safe_dump(spec.raw, sort_keys=False))
     dataset = materialize_dataset(spec.base["dataset"], sweep_dir)
@@ -92,20 +112,34 @@ def run_sweep(
     if resume and (sweep_dir / "sweep.json").is_file():
         previous = json.loads((sweep_dir / "sweep.json").read_text()).get("states", {})
     states: dict[str, dict[str, Any]] = {}
+    fingerprints: dict[str, str] = {}
     for cfg in spec.configs:
-        state: dict[str, Any] = {"run_error": "", "notes": [], "wall_s": None, "ar_pinned": False, "skipped": False}
+        settings = config_settings(cfg, fingerprints)
+        fp = fingerprints[cfg.name] = fingerprint(settings)
+        state: dict[str, Any] = {"run_error": "", "notes": [], "wall_s": None, "ar_pinned": False, "skipped": False,
+                                 "fingerprint": fp, "settings": settings}  # fmt: skip
         states[cfg.name] = state
         if cfg.ar_from and states.get(cfg.ar_from, {}).get("run_error"):
             state["run_error"] = f"not run: {cfg.ar_from} failed"
             continue
-        if resume and _run_done(runs / cfg.name):
-            before = previous.get(cfg.name, {})
-            state["ar_pinned"] = bool(before.get("ar_pinned", False))
-            state["notes"] = [n for n in before.get("notes", []) if not n.startswith("resumed")]
-            state["skipped"] = True
-            state["notes"].append("resumed: existing run kept")
-            log(f"[{cfg.name}] already finished, kept")
-            continue
+        if resume and existing_runs(runs, [cfg.name]):
+            recorded = read_settings(runs, cfg.name)
+            if recorded is None or recorded.get("fingerprint") != fp:
+                change = describe_change(recorded, settings)
+                moved = move_aside(sweep_dir, runs, cfg.name, (recorded or {}).get("fingerprint"))
+                state["notes"].append(f"rerun: settings changed ({change})")
+                log(f"[{cfg.name}] settings changed since its run ({change}): rerunning; "
+                    f"old run moved to {moved.relative_to(sweep_dir)}")  # fmt: skip
+            elif _run_done(runs / cfg.name):
+                before = previous.get(cfg.name, {})
+                state["ar_pinned"] = bool(before.get("ar_pinned", False))
+                state["wall_s"] = before.get("wall_s")
+                state["notes"] = [n for n in before.get("notes", []) if not n.startswith("resumed")]
+                state["skipped"] = True
+                state["notes"].append("resumed: existing run kept (same settings)")
+                log(f"[{cfg.name}] already finished with the same settings, kept")
+                continue
+        write_settings(runs, cfg.name, settings, fp)
         log(f"[{cfg.name}] running ({cfg.label()})")
         t0 = time.perf_counter()
         try:
@@ -207,6 +241,7 @@ def evaluate_sweep(
             "thresholds": json.dumps(cfg.thresholds.as_dict()) if cfg.thresholds else None,
             "run_error": st["run_error"],
             "eval_error": "",
+            "fingerprint": st.get("fingerprint"),
             "wall_s": st["wall_s"],
             "ar_pinned": st["ar_pinned"],
             "notes": "; ".join(st["notes"]),
@@ -288,6 +323,7 @@ def _flat(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
+    "ResumeError",
     "AR_FROM_PARAM",
     "REFERENCE",
     "JobOutcome",
