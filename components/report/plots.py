@@ -106,6 +106,10 @@ def speed_fidelity_uri(points: list[dict[str, Any]], psnr_min: float | None) -> 
     labels: dict[tuple[float, float], list[str]] = {}
     for p in pts:
         y = p["psnr"] if math.isfinite(p["psnr"]) else top
+        lo, hi = p.get("time_lo", p["time_s"]), p.get("time_hi", p["time_s"])
+        if hi > lo:  # the spread of the config's timing samples
+            ax.errorbar([p["time_s"]], [y], xerr=[[p["time_s"] - lo], [hi - p["time_s"]]], fmt="none",
+                        ecolor=status_color(p["status"]), elinewidth=1.2, capsize=3, alpha=0.6, zorder=2)  # fmt: skip
         marker = "*" if p["status"] == "REF" else "o"
         ax.scatter([p["time_s"]], [y], s=130 if marker == "*" else 55, marker=marker,
                    color=status_color(p["status"]), edgecolor="white", linewidth=0.8,
@@ -114,7 +118,7 @@ def speed_fidelity_uri(points: list[dict[str, Any]], psnr_min: float | None) -> 
     for (x, y), names in labels.items():  # configs on the same spot share one label
         ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(7, 4),
                     fontsize=7.5, color="#24292f")  # fmt: skip
-    xs = [p["time_s"] for p in pts]
+    xs = [p.get("time_lo", p["time_s"]) for p in pts] + [p.get("time_hi", p["time_s"]) for p in pts]
     lo, hi = min(xs), max(xs)
     pad = (hi - lo) * 0.15 or max(hi * 0.15, 1e-3)
     ax.set_xlim(max(0.0, lo - pad), hi + pad * 2.5)
@@ -123,7 +127,7 @@ def speed_fidelity_uri(points: list[dict[str, Any]], psnr_min: float | None) -> 
     ax.set_ylim(low, top + 3)
     ticks = [t for t in ax.get_yticks() if low <= t <= top - 3]
     ax.set_yticks([*ticks, top], [f"{t:g}" for t in ticks] + ["∞"])  # identical configs sit on the ∞ line
-    ax.set_xlabel("time per image (s, AR + DiT + VAE)", fontsize=8.5, color="#24292f")
+    ax.set_xlabel("time per image (s, AR + DiT + VAE; median, bars: sample range)", fontsize=8.5, color="#24292f")
     ax.set_ylabel("PSNR vs reference (dB, mean)", fontsize=8.5, color="#24292f")
     fig.tight_layout()
     return _fig_uri(fig)

@@ -26,6 +26,7 @@ from components.evaluate.metrics import (
 )
 from components.evaluate.runio import _num, load_run_rows, storage_name
 from components.report import plots
+from components.sweep.timing import NO_ESTIMATE, noise_line
 from components.report.template import TEMPLATE
 
 ROLE_LABELS = {
@@ -107,6 +108,30 @@ def _cell_classes(rec: dict[str, Any], th: Thresholds | None) -> dict[str, str]:
     return cls
 
 
+# Timing noise above which the report warns that speed comparisons on this machine mean little.
+UNRELIABLE_NOISE = 0.25
+
+
+def _timing_cells(rec: dict[str, Any], ref_name: str) -> tuple[float | None, str, dict[str, str]]:
+    """(seconds per image, its text, the 'vs ref' cell: text, class and title)."""
+    median = _num(rec.get("time_per_image_s_median"))
+    t = median if median is not None else _num(rec.get("time_per_image_s_mean"))
+    samples = rec.get("time_samples") or []
+    spread = _num(rec.get("time_spread"))
+    text = _secs(t)
+    if len(samples) >= 2 and spread is not None:
+        text += f" (n={len(samples)}, ±{spread:.0%})"
+    ratio = _num(rec.get("speedup_vs_ref"))
+    note = rec.get("speedup_note") or NO_ESTIMATE
+    if rec["config"] == ref_name:
+        return t, text, {"text": "ref", "cls": "", "title": "the reference"}
+    if ratio is None:
+        return t, text, {"text": "–", "cls": "", "title": note}
+    if rec.get("speedup_reliable"):
+        return t, text, {"text": f"{ratio:.2f}×", "cls": "", "title": note}
+    return t, text, {"text": f"~{ratio:.2f}×", "cls": "noisy", "title": note}
+
+
 def _thresholds(rec: dict[str, Any]) -> Thresholds | None:
     raw = rec.get("thresholds")
     return Thresholds.from_dict(json.loads(raw)) if raw else None
@@ -144,7 +169,7 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
     runs = sweep_dir / "runs"
     ref_name = meta["reference"]
     ref_rec = next((c for c in configs if c["config"] == ref_name), {})
-    ref_time = _num(ref_rec.get("time_per_image_s_mean"))
+    timing = meta.get("timing") or {}
 
     config_rows = []
     speed_points = []
@@ -152,7 +177,7 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
     for rec in configs:
         status = _status(rec)
         th = _thresholds(rec)
-        t = _num(rec.get("time_per_image_s_mean"))
+        t, time_text, speed = _timing_cells(rec, ref_name)
         n = rec.get("rows") or 0
         config_rows.append(
             {
@@ -170,14 +195,16 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
                 "p99_abs_max": _f(rec.get("p99_abs_max")),
                 "bitwise": f"{rec.get('bitwise_rows', 0)}/{n}" if n else "–",
                 "cot": _f(rec.get("cot_similarity_mean"), 3),
-                "time": _secs(t),
-                "speedup": f"{ref_time / t:.2f}×" if ref_time and t else "–",
+                "time": time_text,
+                "speed": speed,
                 "cls": _cell_classes(rec, th),
             }
         )
         psnr = _num(rec.get("psnr_mean"))
         if t is not None and psnr is not None:
-            speed_points.append({"name": rec["config"], "time_s": t, "psnr": psnr, "status": status})
+            samples = [float(x) for x in rec.get("time_samples") or []] or [t]
+            speed_points.append({"name": rec["config"], "time_s": t, "time_lo": min(samples), "time_hi": max(samples),
+                                 "psnr": psnr, "status": status})  # fmt: skip
         if rec.get("role") != "reference":
             crow = [r for r in rows if r.get("config") == rec["config"] and r.get("eval_status") == OK]
             if crow:
@@ -237,6 +264,8 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
         "overrides_text": "; ".join(overrides),
         "failures": meta.get("failures") or [],
         "speed_plot": plots.speed_fidelity_uri(speed_points, th_all.psnr_min),
+        "timing_line": noise_line(timing) if timing else noise_line({"noise": None}),
+        "timing_warn": timing.get("noise") is None or timing["noise"] > UNRELIABLE_NOISE,
         "delta_plot": plots.delta_profile_uri(profiles),
         "budget": [_budget_row(b) for b in budget],
         "rows": row_ctx,

@@ -75,13 +75,14 @@ def describe_change(recorded: dict[str, Any] | None, settings: dict[str, Any]) -
     return ", ".join(parts) or "settings differ"
 
 
-def move_aside(sweep_dir: Path, runs: Path, name: str, old_fp: str | None) -> Path:
-    """Move a config's run (and its settings/error files) to `replaced/{name}-{fingerprint}`."""
-    target = sweep_dir / REPLACED_DIR / f"{name}-{old_fp or 'unrecorded'}"
+def move_aside(sweep_dir: Path, runs: Path, name: str, old_fp: str | None, prefix: str = "") -> Path:
+    """Move a config's run (and its settings/error files) to `replaced/[{prefix}-]{name}-{fingerprint}`."""
+    stem = f"{prefix}-{name}" if prefix else name
+    target = sweep_dir / REPLACED_DIR / f"{stem}-{old_fp or 'unrecorded'}"
     n = 1
     while target.exists():
         n += 1
-        target = sweep_dir / REPLACED_DIR / f"{name}-{old_fp or 'unrecorded'}-{n}"
+        target = sweep_dir / REPLACED_DIR / f"{stem}-{old_fp or 'unrecorded'}-{n}"
     target.mkdir(parents=True)
     for path in (runs / name, settings_path(runs, name), runs / f"{name}.error.txt"):
         if path.exists():

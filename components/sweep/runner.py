@@ -32,6 +32,7 @@ import yaml
 from components.evaluate.gates import FAIL, INFO, PASS, REF, config_verdict, fmt_db, records_to_table
 from components.evaluate.metrics import OK, SIZE_MISMATCH
 from components.evaluate.run import evaluate_run
+from components.evaluate.runio import load_run_rows
 from components.sweep.budget import compute_budget
 from components.sweep.resume import (
     ResumeError,
@@ -43,7 +44,8 @@ from components.sweep.resume import (
     read_settings,
     write_settings,
 )
-from components.sweep.spec import REFERENCE, SweepConfig, SweepSpec
+from components.sweep.spec import DETERMINISM, REFERENCE, SweepConfig, SweepSpec
+from components.sweep.timing import noise_line, timing_summary
 
 # Job keyword that makes a run take its AR outputs (and KV) from another run of the same output.
 AR_FROM_PARAM = "ar_from_run"
@@ -111,48 +113,13 @@ def run_sweep(
     previous: dict[str, Any] = {}
     if resume and (sweep_dir / "sweep.json").is_file():
         previous = json.loads((sweep_dir / "sweep.json").read_text()).get("states", {})
-    states: dict[str, dict[str, Any]] = {}
-    fingerprints: dict[str, str] = {}
-    for cfg in spec.configs:
-        settings = config_settings(cfg, fingerprints)
-        fp = fingerprints[cfg.name] = fingerprint(settings)
-        state: dict[str, Any] = {"run_error": "", "notes": [], "wall_s": None, "ar_pinned": False, "skipped": False,
-                                 "fingerprint": fp, "settings": settings}  # fmt: skip
-        states[cfg.name] = state
-        if cfg.ar_from and states.get(cfg.ar_from, {}).get("run_error"):
-            state["run_error"] = f"not run: {cfg.ar_from} failed"
-            continue
-        if resume and existing_runs(runs, [cfg.name]):
-            recorded = read_settings(runs, cfg.name)
-            if recorded is None or recorded.get("fingerprint") != fp:
-                change = describe_change(recorded, settings)
-                moved = move_aside(sweep_dir, runs, cfg.name, (recorded or {}).get("fingerprint"))
-                state["notes"].append(f"rerun: settings changed ({change})")
-                log(f"[{cfg.name}] settings changed since its run ({change}): rerunning; "
-                    f"old run moved to {moved.relative_to(sweep_dir)}")  # fmt: skip
-            elif _run_done(runs / cfg.name):
-                before = previous.get(cfg.name, {})
-                state["ar_pinned"] = bool(before.get("ar_pinned", False))
-                state["wall_s"] = before.get("wall_s")
-                state["notes"] = [n for n in before.get("notes", []) if not n.startswith("resumed")]
-                state["skipped"] = True
-                state["notes"].append("resumed: existing run kept (same settings)")
-                log(f"[{cfg.name}] already finished with the same settings, kept")
-                continue
-        write_settings(runs, cfg.name, settings, fp)
-        log(f"[{cfg.name}] running ({cfg.label()})")
-        t0 = time.perf_counter()
-        try:
-            outcome = runner({**cfg.params, "dataset": dataset}, runs, cfg.name, cfg.ar_from)
-            state["notes"] += outcome.notes
-            state["ar_pinned"] = outcome.ar_pinned
-        except Exception as exc:  # noqa: BLE001  (a failed config fails the sweep; the others still run)
-            state["run_error"] = _one_line(exc)
-            (runs / f"{cfg.name}.error.txt").write_text(traceback.format_exc())
-            log(f"[{cfg.name}] FAIL: {state['run_error']} (traceback: {runs / cfg.name}.error.txt)")
-        state["wall_s"] = time.perf_counter() - t0
+    job = _Pass(runner, dataset, sweep_dir, log)
+    states = job.run(spec.configs, runs, resume, previous)
+    repeat_times = _timing_rounds(spec, job, states)
 
     config_records, row_records = evaluate_sweep(spec, runs, states, log)
+    timing = _timing(spec, config_records, repeat_times)
+    log(noise_line(timing))
     budget = compute_budget(spec.configs, config_records, row_records)
     failures = sweep_failures(config_records)
     passed = not failures
@@ -172,6 +139,7 @@ def run_sweep(
         "states": states,
         "started": started,
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "timing": {"repeats": spec.timing_repeats, **timing},
         "passed": passed,
         "verdict_line": verdict_line(config_records),
         "failures": failures,
@@ -185,6 +153,116 @@ def run_sweep(
         report_path = write_report(sweep_dir)
         log(f"report: {report_path}")
     return SweepResult(sweep_dir, passed, config_records, failures, report_path, meta["verdict_line"])
+
+
+class _Pass:
+    """Runs a list of configs into one output root (the sweep's runs/, or a timing round's)."""
+
+    def __init__(self, runner: JobRunner, dataset: str, sweep_dir: Path, log: Callable[[str], None]) -> None:
+        self.runner, self.dataset, self.sweep_dir, self.log = runner, dataset, sweep_dir, log
+
+    def run(
+        self, configs: list[SweepConfig], root: Path, resume: bool, previous: dict[str, Any], round_no: int = 0
+    ) -> dict[str, dict[str, Any]]:
+        """round_no > 0: a timing round (its log lines and replaced runs say so)."""
+        root.mkdir(parents=True, exist_ok=True)
+        log = self.log
+        states: dict[str, dict[str, Any]] = {}
+        fingerprints: dict[str, str] = {}
+        for cfg in configs:
+            settings = config_settings(cfg, fingerprints)
+            fp = fingerprints[cfg.name] = fingerprint(settings)
+            state: dict[str, Any] = {"run_error": "", "notes": [], "wall_s": None, "ar_pinned": False,
+                                     "skipped": False, "fingerprint": fp, "settings": settings}  # fmt: skip
+            states[cfg.name] = state
+            name = f"timing round {round_no}: {cfg.name}" if round_no else cfg.name
+            if cfg.ar_from and states.get(cfg.ar_from, {}).get("run_error"):
+                state["run_error"] = f"not run: {cfg.ar_from} failed"
+                continue
+            if resume and existing_runs(root, [cfg.name]):
+                recorded = read_settings(root, cfg.name)
+                if recorded is None or recorded.get("fingerprint") != fp:
+                    change = describe_change(recorded, settings)
+                    old_fp = (recorded or {}).get("fingerprint")
+                    moved = move_aside(self.sweep_dir, root, cfg.name, old_fp, f"timing-round{round_no}" if round_no else "")
+                    state["notes"].append(f"rerun: settings changed ({change})")
+                    log(f"[{name}] settings changed since its run ({change}): rerunning; "
+                        f"old run moved to {moved.relative_to(self.sweep_dir)}")  # fmt: skip
+                elif _run_done(root / cfg.name):
+                    before = previous.get(cfg.name, {})
+                    state["ar_pinned"] = bool(before.get("ar_pinned", False))
+                    state["wall_s"] = before.get("wall_s")
+                    state["notes"] = [n for n in before.get("notes", []) if not n.startswith("resumed")]
+                    state["skipped"] = True
+                    state["notes"].append("resumed: existing run kept (same settings)")
+                    log(f"[{name}] already finished with the same settings, kept")
+                    continue
+            write_settings(root, cfg.name, settings, fp)
+            log(f"[{name}] running ({cfg.label()})")
+            t0 = time.perf_counter()
+            try:
+                outcome = self.runner({**cfg.params, "dataset": self.dataset}, root, cfg.name, cfg.ar_from)
+                state["notes"] += outcome.notes
+                state["ar_pinned"] = outcome.ar_pinned
+            except Exception as exc:  # noqa: BLE001  (a failed config fails the sweep; the others still run)
+                state["run_error"] = _one_line(exc)
+                (root / f"{cfg.name}.error.txt").write_text(traceback.format_exc())
+                log(f"[{name}] FAIL: {state['run_error']} (traceback: {root / cfg.name}.error.txt)")
+            state["wall_s"] = time.perf_counter() - t0
+        return states
+
+
+TIMING_DIR = "timing"
+
+
+def _timing_rounds(spec: SweepSpec, job: _Pass, states: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """`timing.repeats` more rounds over every config that ran (round-robin, so a drifting machine
+    touches all alike) into timing/round{k}/; returns config -> the rounds' seconds per image."""
+    times: dict[str, list[float]] = {}
+    timed = [c for c in spec.configs if c.role != DETERMINISM and not states[c.name]["run_error"]]
+    for k in range(1, spec.timing_repeats + 1):
+        root = job.sweep_dir / TIMING_DIR / f"round{k}"
+        round_states = job.run(timed, root, True, {}, round_no=k)
+        for cfg in timed:
+            if not round_states[cfg.name]["run_error"]:
+                t = _run_time_per_image(root / cfg.name)
+                if t is not None:
+                    times.setdefault(cfg.name, []).append(t)
+    return times
+
+
+def _run_time_per_image(run: Path) -> float | None:
+    try:
+        values = [t for r in load_run_rows(run).values() if (t := r.time_per_image_s()) is not None]
+    except (FileNotFoundError, ValueError):
+        return None
+    return sum(values) / len(values) if values else None
+
+
+def _timing(
+    spec: SweepSpec, config_records: list[dict[str, Any]], repeat_times: dict[str, list[float]]
+) -> dict[str, Any]:
+    """Timing samples per config (its run, the repeat rounds, and for the reference its determinism
+    re-run) -> noise and ratios; the records gain time_per_image_s_median / _spread / speedup columns."""
+    main = {r["config"]: r.get("time_per_image_s_mean") for r in config_records if not r.get("run_error")}
+    samples: dict[str, list[float]] = {}
+    for cfg in spec.configs:
+        if cfg.role == DETERMINISM:
+            continue
+        samples[cfg.name] = [t for t in [main.get(cfg.name), *repeat_times.get(cfg.name, [])] if t is not None]
+    for cfg in spec.configs:
+        if cfg.role == DETERMINISM and main.get(cfg.name) is not None and cfg.baseline in samples:
+            samples[cfg.baseline].append(main[cfg.name])  # the same job as the reference, run last
+    summary = timing_summary(samples, spec.reference)
+    for rec in config_records:
+        t = summary["configs"].get(rec["config"])
+        if t is None:  # the determinism re-run: its time is one of the reference's samples
+            rec.update(time_per_image_s_median=main.get(rec["config"]), speedup_reliable=False,
+                       speedup_note="a re-run of the reference: one of its timing samples")  # fmt: skip
+            continue
+        rec.update(time_samples=t["samples"], time_per_image_s_median=t["median"], time_spread=t["spread"],
+                   speedup_vs_ref=t["speedup"], speedup_reliable=t["speedup_reliable"], speedup_note=t["speedup_note"])  # fmt: skip
+    return summary
 
 
 def _one_line(exc: BaseException) -> str:

@@ -35,7 +35,7 @@ from components.sweep.params import GRID_PARAMS, JOB_PARAMS, check_value, name_p
 # ...) then come from the model's generation config, as with `ardit edit` (components/sweep/params.py).
 DEFAULT_BASE: dict[str, Any] = {"kind": "edit", "model": "tiny", "num_shards": 1}
 TOP_LEVEL_KEYS = ("name", "description", "base", "grid", "reference", "thresholds", "overrides", "configs",
-                  "precision_budget")  # fmt: skip
+                  "precision_budget", "timing")  # fmt: skip
 
 REFERENCE = "reference"
 GRID = "grid"
@@ -108,6 +108,7 @@ class SweepSpec:
     reference: str
     thresholds: Thresholds
     raw: dict[str, Any]
+    timing_repeats: int = 0  # extra interleaved timing rounds over every config (components/sweep/timing.py)
 
     def config(self, name: str) -> SweepConfig:
         for c in self.configs:
@@ -259,7 +260,18 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise SpecError(f"duplicate config name(s) {dupes}")
-    return SweepSpec(name, str(data.get("description") or ""), base, configs, ref.name, thresholds, data)
+    return SweepSpec(name, str(data.get("description") or ""), base, configs, ref.name, thresholds, data,
+                     _timing_repeats(data.get("timing")))  # fmt: skip
+
+
+def _timing_repeats(data: Any) -> int:
+    if data is None:
+        return 0
+    _check_keys("timing", data, ("repeats",), "key")
+    repeats = data.get("repeats", 0)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 0:
+        raise SpecError(f"timing.repeats: {repeats!r} is not valid; expected an integer >= 0")
+    return repeats
 
 
 SAMPLE_KINDS = ("edit", "generate")
