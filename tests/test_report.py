@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import re
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -41,6 +43,10 @@ class _Tags(HTMLParser):
 def sweep_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("report")
     return run_sweep(parse_spec(spec_dict()), out, "r1", runner=fake_runner, log=lambda _: None).sweep_dir
+
+
+def _table(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
 
 
 def _parse(html: str) -> _Tags:
@@ -82,8 +88,10 @@ def test_summary_marks_gates(sweep_dir: Path) -> None:
 def test_rows_are_worst_first_and_all_sections_render(sweep_dir: Path) -> None:
     ctx = build_context(sweep_dir)
     assert sorted(r["id"] for r in ctx["rows"]) == sorted(ROW_IDS)
-    worst = [float(r["worst"].split()[0]) for r in ctx["rows"]]
-    assert worst == sorted(worst)  # ranked by the gated configs' PSNR
+    rows = _table(sweep_dir / "rows.parquet")
+    gated = [r["config"] for r in _table(sweep_dir / "sweep.parquet") if r["gated"]]
+    ranked = [min(r["psnr"] for r in rows if r["id"] == row["id"] and r["config"] in gated) for row in ctx["rows"]]
+    assert ranked == sorted(ranked)  # ranked by the gated configs' PSNR
     assert ctx["speed_plot"] and ctx["delta_plot"]
     budget = {b["config"]: b for b in ctx["budget"]}
     assert budget["determinism"]["bitwise"] == "4/4" and budget["determinism"]["psnr_mean"] == "∞"
@@ -91,6 +99,44 @@ def test_rows_are_worst_first_and_all_sections_render(sweep_dir: Path) -> None:
     html = (sweep_dir / "report.html").read_text()
     for text in ("Precision budget", "Speed and fidelity", "Determinism floor", "KV reuse drift", "AR diversity"):
         assert text in html
+
+
+def test_worst_label_covers_every_config_shown_under_it(sweep_dir: Path) -> None:
+    """The label names the lowest PSNR of the row over all configs in the strip, ungated ones
+    included (here the seed change), and then the worst gated one."""
+    rows = _table(sweep_dir / "rows.parquet")
+    gated = {r["config"] for r in _table(sweep_dir / "sweep.parquet") if r["gated"]}
+    for row in build_context(sweep_dir)["rows"]:
+        cells = {r["config"]: r["psnr"] for r in rows if r["id"] == row["id"] and r["config"] != "reuse-s8"}
+        finite = {k: v for k, v in cells.items() if v is not None and math.isfinite(v)}
+        worst = min(finite, key=finite.get)
+        worst_gated = min((k for k in finite if k in gated), key=finite.get)
+        assert worst == "ar-diversity" and worst not in gated  # another seed: another image
+        assert row["worst"] == (f"{finite[worst]:.2f} dB (ar-diversity, not gated) · "
+                                f"worst gated {finite[worst_gated]:.2f} dB ({worst_gated})")  # fmt: skip
+
+
+def test_identical_delta_profiles_share_one_legend_entry_beside_the_plot() -> None:
+    from components.report.plots import delta_profile_figure
+
+    v = [0.01, 0.03, 0.1, 0.2, 0.3]
+    fig = delta_profile_figure([
+        {"name": "determinism", "values": [0.0] * 5}, {"name": "recompute-s8", "values": v},
+        {"name": "reuse-drift", "values": list(v)}, {"name": "reuse-s4", "values": [0.02, 0.05, 0.2, 0.3, 0.5]},
+    ])  # fmt: skip
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "determinism (|Δ| = 0)", "recompute-s8 = reuse-drift", "reuse-s4"
+    ]  # fmt: skip
+    assert len(ax.get_lines()) - 2 == 3  # three series (+ the two reference levels)
+    box, plot = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert box.x0 >= plot.x1  # the legend covers no part of the plot
+    assert fig.bbox.contains(box.x1 - 1, box.y0 + 1)  # and is not cut off
+    markers = {line.get_marker() for line in ax.get_lines()[:3]}
+    assert len(markers) == 3
 
 
 def test_max_rows_limits_the_grids(sweep_dir: Path, tmp_path: Path) -> None:

@@ -133,25 +133,55 @@ def speed_fidelity_uri(points: list[dict[str, Any]], psnr_min: float | None) -> 
     return _fig_uri(fig)
 
 
-def delta_profile_uri(profiles: list[dict[str, Any]]) -> str | None:
-    """|Δ| at p50 / p90 / p99 / p99.9 / max (worst row) per config, log scale."""
+PROFILE_LABELS = ["p50", "p90", "p99", "p99.9", "max"]
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h"]
+_LINESTYLES = ["-", "--", "-.", ":"]
+
+
+def _merge_identical(profiles: list[dict[str, Any]]) -> list[tuple[list[str], list[float | None]]]:
+    """Configs with the same profile (to 4 significant digits) become one series naming them all,
+    so no line hides another."""
+    groups: dict[tuple, tuple[list[str], list[float | None]]] = {}
+    for p in profiles:
+        key = tuple(None if v is None else float(f"{v:.4g}") for v in p["values"])
+        groups.setdefault(key, ([], p["values"]))[0].append(p["name"])
+    return list(groups.values())
+
+
+def delta_profile_figure(profiles: list[dict[str, Any]]) -> Any | None:
+    """|Δ| at p50 / p90 / p99 / p99.9 / max (worst row) per config, log scale. Identical profiles
+    share one series; each series has its own marker, dash and a small sideways offset, and the
+    legend sits beside the plot, never over a line."""
     profiles = [p for p in profiles if p.get("values")]
     if not profiles:
         return None
-    labels = ["p50", "p90", "p99", "p99.9", "max"]
-    fig, ax = plt.subplots(figsize=(6.4, 3.9), dpi=120)
+    series = _merge_identical(profiles)
+    fig, ax = plt.subplots(figsize=(7.6, 3.9), dpi=120)
     _style(ax)
     floor = 1 / 2550
     palette = plt.get_cmap("tab10")
-    for i, p in enumerate(profiles):
-        vals = [max(floor, v if v is not None else floor) for v in p["values"]]
-        ax.plot(labels, vals, marker="o", markersize=4, linewidth=1.6, color=palette(i % 10), label=p["name"])
+    n = len(series)
+    for i, (names, values) in enumerate(series):
+        vals = [max(floor, v if v is not None else floor) for v in values]
+        offset = (i - (n - 1) / 2) * min(0.08, 0.5 / n)
+        label = " = ".join(names)
+        if all(v == 0 for v in values if v is not None):
+            label += " (|Δ| = 0)"
+        ax.plot([x + offset for x in range(len(vals))], vals, marker=_MARKERS[i % len(_MARKERS)], markersize=4.5,
+                linestyle=_LINESTYLES[(i // len(_MARKERS)) % len(_LINESTYLES)],
+                linewidth=1.5, color=palette(i % 10), alpha=0.9, label=label)  # fmt: skip
+    ax.set_xticks(range(len(PROFILE_LABELS)), PROFILE_LABELS)
     for level, name in ((1 / 255, "1/255"), (16 / 255, "16/255")):
         ax.axhline(level, color="#8c959f", linestyle=":", linewidth=0.9)
         ax.text(0.005, level, f" {name}", transform=ax.get_yaxis_transform(), va="bottom", fontsize=7, color="#57606a")
     ax.set_yscale("log")
     ax.set_ylim(floor * 0.8, 1.2)
     ax.set_ylabel("|Δ| (pixels in [0, 1], worst row)", fontsize=8.5, color="#24292f")
-    ax.legend(fontsize=7, frameon=False, loc="upper left", ncol=2)
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    return _fig_uri(fig)
+    return fig
+
+
+def delta_profile_uri(profiles: list[dict[str, Any]]) -> str | None:
+    fig = delta_profile_figure(profiles)
+    return None if fig is None else _fig_uri(fig)

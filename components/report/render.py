@@ -241,7 +241,7 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
     cfg_th = {c["config"]: _thresholds(c) if c.get("gated") else None for c in configs}
     row_ctx = []
     for rid in ranked[:max_rows]:
-        row_ctx.append(_row_context(rid, by_row[rid], ref_name, others, ranking, runs, cfg_th, ref_rows_meta.get(rid)))
+        row_ctx.append(_row_context(rid, by_row[rid], ref_name, others, runs, cfg_th, ref_rows_meta.get(rid)))
 
     gated = [c for c in configs if c.get("gated")]
     th_all = Thresholds.from_dict(meta.get("thresholds") or {})
@@ -260,6 +260,7 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
         "n_gated_pass": sum(1 for c in gated if c.get("passed")),
         "n_rows": len(order),
         "shown_rows": len(row_ctx),
+        "ranked_by": "the gated configs' lowest PSNR" if gated_names else "the lowest PSNR",
         "gates_text": th_all.describe(),
         "overrides_text": "; ".join(overrides),
         "failures": meta.get("failures") or [],
@@ -304,7 +305,6 @@ def _row_context(
     cells: dict[str, dict[str, Any]],
     ref_name: str,
     others: list[str],
-    ranking: list[str],
     runs: Path,
     cfg_th: dict[str, Thresholds | None],
     ref_meta: Any,
@@ -325,7 +325,8 @@ def _row_context(
     if ref_meta is not None:
         ctx["cot"] = ref_meta.cot_text or ""
         ctx["prompt"] = _truncate(ref_meta.extra.get("prompt"))
-    worst_name, worst_psnr = "", math.inf
+    psnrs: dict[str, float] = {}
+    resized: list[str] = []
     for name in others:
         rec = cells.get(name)
         cell: dict[str, Any] = {
@@ -349,6 +350,7 @@ def _row_context(
                 cell["size_note"] = f"size differs: {img.size[0]}×{img.size[1]} vs {ref_img.size[0]}×{ref_img.size[1]}"
                 cell["badge"] = FAIL if th is not None and th.active else "SIZE"
                 cell["extra"] = _extra(rec)
+                resized.append(name)
                 continue
         if rec.get("eval_status") != OK:
             cell["error"] = f"{rec.get('eval_status')}: {rec.get('eval_error')}"
@@ -379,16 +381,31 @@ def _row_context(
         cell["extra"] = _extra(rec)
         if th is not None and th.active and not cell["bitwise"]:
             cell["badge"] = FAIL if row_violations(rec, th) else "PASS"
-        if name in ranking and psnr is not None and psnr < worst_psnr:
-            worst_name, worst_psnr = name, psnr
+        if psnr is not None:
+            psnrs[name] = psnr
     failed = [c["config"] for c in ctx["cells"] if c.get("error")]
-    if failed:
-        ctx["worst"] = "failed in " + ", ".join(failed)
-    elif worst_name:
-        ctx["worst"] = f"{_db(worst_psnr)} ({worst_name})"
-    else:
-        ctx["worst"] = "identical to the reference"
+    gated = {n for n, th in cfg_th.items() if th is not None}
+    ctx["worst"] = _worst_label(failed, resized, psnrs, gated)
     return ctx
+
+
+def _worst_label(failed: list[str], resized: list[str], psnrs: dict[str, float], gated: set[str]) -> str:
+    """What is worst in a row over every config shown under it, gated or not; when the worst is an
+    ungated config, the worst gated one too (rows are ranked by those)."""
+    parts = []
+    if failed:
+        parts.append("failed in " + ", ".join(failed))
+    if resized:
+        parts.append("size differs in " + ", ".join(resized))
+    finite = {n: p for n, p in psnrs.items() if math.isfinite(p)}
+    if finite:
+        name = min(finite, key=lambda n: finite[n])
+        parts.append(f"{_db(finite[name])} ({name}{'' if name in gated else ', not gated'})")
+        gated_finite = {n: p for n, p in finite.items() if n in gated}
+        if name not in gated and gated_finite:
+            g = min(gated_finite, key=lambda n: gated_finite[n])
+            parts.append(f"worst gated {_db(gated_finite[g])} ({g})")
+    return " · ".join(parts) or "identical to the reference"
 
 
 def _extra(rec: dict[str, Any]) -> str:

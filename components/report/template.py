@@ -154,7 +154,7 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
 <h2>Speed and fidelity</h2>
 <div class="plots">
   {% if speed_plot %}<figure class="panel"><img src="{{ speed_plot }}" alt="speed vs fidelity plot"><figcaption>Each point is a config: median time per image over its timing samples (bars: fastest to slowest sample) against mean PSNR vs the reference. Green pass, red fail, blue ungated, star = reference. {{ timing_line }}</figcaption></figure>{% endif %}
-  {% if delta_plot %}<figure class="panel"><img src="{{ delta_plot }}" alt="|Δ| percentile profile"><figcaption>|Δ| percentiles of the worst row per config (log scale; exact zeros drawn at the floor).</figcaption></figure>{% endif %}
+  {% if delta_plot %}<figure class="panel"><img src="{{ delta_plot }}" alt="|Δ| percentile profile"><figcaption>|Δ| percentiles of the worst row per config (log scale; exact zeros drawn at the floor). Configs with the same profile share one line, named together in the legend.</figcaption></figure>{% endif %}
 </div>
 
 <h2>Precision budget</h2>
@@ -184,7 +184,7 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
   {% endif %}
 </div>
 
-<h2>Images <span class="sub">({{ shown_rows }} of {{ n_rows }} rows, worst first)</span></h2>
+<h2>Images <span class="sub">({{ shown_rows }} of {{ n_rows }} rows, failures first, then by {{ ranked_by }})</span></h2>
 <div class="legend"><span>|Δ| heatmap (mean over RGB):</span><img src="{{ colorbar }}" alt="heatmap colour scale"></div>
 {% for r in rows %}
 <section class="rowcard">
