@@ -1,10 +1,10 @@
 """Sweep spec: a base job, a grid over its parameters, the reference, thresholds and the
-precision-budget configs. Loaded from YAML (see examples/sweeps/tiny.yaml):
+precision-budget configs. Loaded from YAML; every key, its default and the failure rules are in
+docs/sweeps.md (see also examples/sweeps/tiny.yaml, fp8.yaml):
 
 ```yaml
 name: tiny
-base: {dataset: ..., kind: edit, model: tiny, num_shards: 2, steps: 8, guidance: 5.0, seed: 42,
-       kv_reuse: true, temperature: 0.7}
+base: {dataset: ..., kind: edit, model: tiny, num_shards: 2, seed: 42, kv_reuse: true, temperature: 0.7}
 grid: {kv_reuse: [true, false], steps: [8, 4]}
 reference: {kv_reuse: true, steps: 8}        # grid values, or a config name
 thresholds: {psnr_min: 30, ssim_min: 0.97, mean_abs_max: 0.03, p99_abs_max: 0.30}
@@ -14,6 +14,7 @@ overrides:                                   # per-config thresholds (None disab
 configs:                                     # optional extra configs, by name
   - {name: greedy, params: {temperature: 0.0}}
 precision_budget: {determinism: true, reuse_drift: true, ar_diversity: {seed: 43}, gate: false}
+timing: {repeats: 0}                         # extra interleaved timing rounds
 ```
 """
 
@@ -36,6 +37,11 @@ from components.sweep.params import GRID_PARAMS, JOB_PARAMS, check_value, name_p
 DEFAULT_BASE: dict[str, Any] = {"kind": "edit", "model": "tiny", "num_shards": 1}
 TOP_LEVEL_KEYS = ("name", "description", "base", "grid", "reference", "thresholds", "overrides", "configs",
                   "precision_budget", "timing")  # fmt: skip
+BUDGET_KEYS = ("determinism", "reuse_drift", "ar_diversity", "gate")
+TIMING_KEYS = ("repeats",)
+SAMPLE_DATASET_KEYS = ("sample", "rows", "size", "seed")
+OVERRIDE_KEYS = ("name", "match", "thresholds", "gate")
+EXTRA_CONFIG_KEYS = ("name", "params", "thresholds")
 
 REFERENCE = "reference"
 GRID = "grid"
@@ -224,6 +230,7 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
     for i, ov in enumerate(overrides):
         if not isinstance(ov, dict) or not ({"name", "match"} & set(ov)):
             raise SpecError(f"overrides[{i}]: needs 'name' or 'match'")
+        _check_keys(f"overrides[{i}]", ov, OVERRIDE_KEYS, "key")
         if ov.get("match") is not None:
             _check_params(f"overrides[{i}].match", ov["match"])
 
@@ -237,6 +244,7 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
     for i, extra in enumerate(data.get("configs") or []):
         if not isinstance(extra, dict) or "name" not in extra:
             raise SpecError(f"configs[{i}]: needs a name")
+        _check_keys(f"configs[{i}]", extra, EXTRA_CONFIG_KEYS, "key")
         params = extra.get("params") or {}
         _check_params(f"configs[{i}].params", params)
         th = thresholds.merged(extra["thresholds"]) if extra.get("thresholds") else thresholds
@@ -267,7 +275,7 @@ def parse_spec(data: dict[str, Any]) -> SweepSpec:
 def _timing_repeats(data: Any) -> int:
     if data is None:
         return 0
-    _check_keys("timing", data, ("repeats",), "key")
+    _check_keys("timing", data, TIMING_KEYS, "key")
     repeats = data.get("repeats", 0)
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 0:
         raise SpecError(f"timing.repeats: {repeats!r} is not valid; expected an integer >= 0")
@@ -283,9 +291,7 @@ def _check_dataset(ds: Any) -> None:
     if isinstance(ds, str) and ds:
         return
     if isinstance(ds, dict):
-        unknown = set(ds) - {"sample", "rows", "size", "seed"}
-        if unknown:
-            raise SpecError(f"base.dataset: unknown key(s) {sorted(unknown)}")
+        _check_keys("base.dataset", ds, SAMPLE_DATASET_KEYS, "key")
         if ds.get("sample") not in SAMPLE_KINDS:
             raise SpecError(f"base.dataset.sample: one of {list(SAMPLE_KINDS)}")
         if int(ds.get("rows", 4)) < 1:
@@ -344,9 +350,7 @@ def _budget_configs(
         data = {}
     if not isinstance(data, dict):
         raise SpecError("precision_budget: expected true/false or a mapping")
-    unknown = set(data) - {"determinism", "reuse_drift", "ar_diversity", "gate"}
-    if unknown:
-        raise SpecError(f"precision_budget: unknown key(s) {sorted(unknown)}")
+    _check_keys("precision_budget", data, BUDGET_KEYS, "key")
     gate = bool(data.get("gate", False))
     th = thresholds if gate else None
     out: list[SweepConfig] = []
