@@ -26,7 +26,7 @@ from components.evaluate.metrics import (
 )
 from components.evaluate.runio import _num, load_run_rows, storage_name
 from components.report import plots
-from components.sweep.timing import NO_ESTIMATE, noise_line
+from components.sweep.timing import NO_ESTIMATE, noise_line, pct
 from components.report.template import TEMPLATE
 
 ROLE_LABELS = {
@@ -120,7 +120,7 @@ def _timing_cells(rec: dict[str, Any], ref_name: str) -> tuple[float | None, str
     spread = _num(rec.get("time_spread"))
     text = _secs(t)
     if len(samples) >= 2 and spread is not None:
-        text += f" (n={len(samples)}, ±{spread:.0%})"
+        text += f" (n={len(samples)}, ±{pct(spread)})"
     ratio = _num(rec.get("speedup_vs_ref"))
     note = rec.get("speedup_note") or NO_ESTIMATE
     if rec["config"] == ref_name:

@@ -70,8 +70,6 @@ def make_app(job_runner: Callable[[], JobRunner]) -> typer.Typer:
         except ResumeError as exc:
             raise _fail(str(exc)) from None
         typer.echo(f"sweep written to {result.sweep_dir}")
-        if result.report:
-            typer.echo(f"report: {result.report}")
         typer.echo(result.verdict_line)
         if not result.passed:
             for f in result.failures:

@@ -360,10 +360,10 @@ def evaluate_sweep(
         row_records += rows
         rec["verdict"] = config_verdict(rec["passed"], cfg.gated, cfg.role == REFERENCE)
         config_records.append(rec)
-        against = "(its own rows)" if rec["verdict"] == REF else f"vs {baseline}"
         gates = cfg.thresholds.describe() if cfg.gated else "not gated"
+        against = "" if rec["verdict"] == REF else f" vs {baseline} ({gates})"
         log(
-            f"[{cfg.name}] {rec['verdict']} {against} ({gates}): {rec['rows_compared']}/{rec['rows']} rows compared, "
+            f"[{cfg.name}] {rec['verdict']}{against}: {rec['rows_compared']}/{rec['rows']} rows compared, "
             f"PSNR min {fmt_db(rec['psnr_min'])} dB, bitwise {rec['bitwise_rows']}/{rec['rows']}"
         )
     return config_records, row_records

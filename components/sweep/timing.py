@@ -53,14 +53,19 @@ def timing_summary(samples: dict[str, list[float]], reference: str) -> dict[str,
         else:
             diff = abs(c["median"] - ref) / min(c["median"], ref)
             c["speedup_reliable"] = diff > noise
-            c["speedup_note"] = (f"differs by {diff:.0%}, more than the timing noise ±{noise:.0%}" if c["speedup_reliable"]
-                                 else f"within timing noise: differs by {diff:.0%}, noise ±{noise:.0%}")  # fmt: skip
+            c["speedup_note"] = (f"differs by {pct(diff)}, more than the timing noise ±{pct(noise)}" if c["speedup_reliable"]
+                                 else f"within timing noise: differs by {pct(diff)}, noise ±{pct(noise)}")  # fmt: skip
     return {"noise": noise, "noise_from": noise_from, "configs": configs}
+
+
+def pct(x: float) -> str:
+    """A relative spread as a percentage; one decimal below 10 % so that 0.1 % does not read as 0 %."""
+    return f"{x:.1%}" if x < 0.1 else f"{x:.0%}"
 
 
 def noise_line(summary: dict[str, Any]) -> str:
     """One line for the CLI and the report."""
     if summary.get("noise") is None:
         return f"timing: {NO_ESTIMATE}; speed ratios are unreliable"
-    return (f"timing noise ±{summary['noise']:.0%} ({summary['noise_from']}): speed ratios within it are "
+    return (f"timing noise ±{pct(summary['noise'])} ({summary['noise_from']}): speed ratios within it are "
             "marked ~ and mean nothing")  # fmt: skip
