@@ -145,7 +145,7 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
   </table>
   </div>
   <div class="timing{{ ' warn' if timing_warn else '' }}">{{ timing_line }}</div>
-  <div class="gates">Gates (per image, every row must pass): {{ gates_text }}{% if overrides_text %} · overrides: {{ overrides_text }}{% endif %}. PSNR/SSIM/|Δ| are against each config's baseline (the reference); the reference row is its own comparison.</div>
+  <div class="gates">Gates (per image, every row must pass): {{ gates_text }}{% if overrides_text %} · per-config gates: {{ overrides_text }}{% endif %}. PSNR/SSIM/|Δ| are against each config's baseline (the reference); the reference row is its own comparison.</div>
   {% if failures %}
   <ul class="fails">{% for f in failures %}<li>{{ f }}</li>{% endfor %}</ul>
   {% endif %}
