@@ -331,3 +331,25 @@ def test_a_size_change_is_observed_in_ungated_configs_but_fails_gated_ones(tmp_p
     bad = run_sweep(spec, tmp_path, "gated", runner=_resized_runner("recompute-s8"), log=_quiet, report=False)
     assert [f.split(":")[0] for f in bad.failures] == ["recompute-s8"]
     assert "size_mismatch" in bad.failures[0]
+
+
+def test_an_edited_generation_config_reruns_on_resume(tmp_path) -> None:
+    """Settings the spec leaves out come from the checkpoint's generation_config.json: editing it
+    changes the runs' settings as much as a spec edit does."""
+    from components.engine.generation_config import GenerationConfig, tiny_generation_config, write_generation_config_file
+
+    ckpt = tmp_path / "ckpt"
+    write_generation_config_file(ckpt)
+    (ckpt / "config.json").write_text("{}")  # enough for the model path to resolve as a checkpoint
+    calls: list[str] = []
+    spec = parse_spec(spec_dict(base={"dataset": "synthetic", "model": str(ckpt), "kv_reuse": True},
+                                grid={"kv_reuse": [True]}, reference="reuse", precision_budget=False))  # fmt: skip
+    run_sweep(spec, tmp_path, "s", runner=_guidance_runner(calls), log=_quiet, report=False)
+    run_sweep(spec, tmp_path, "s", runner=_guidance_runner(calls), log=_quiet, report=False, resume=True)
+    assert calls == ["reuse"]  # unchanged: kept
+    edited = GenerationConfig.from_dict({**tiny_generation_config().to_dict(), "diff_infer_steps": 4})
+    write_generation_config_file(ckpt, edited)
+    lines: list[str] = []
+    run_sweep(spec, tmp_path, "s", runner=_guidance_runner(calls), log=lines.append, report=False, resume=True)
+    assert calls == ["reuse", "reuse"]
+    assert any("the model's generation_config.json changed" in x for x in lines)
