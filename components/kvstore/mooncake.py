@@ -50,7 +50,6 @@ from components.kvstore.base import (
     check_key,
     parse_query,
     parse_size,
-    under_prefix,
 )
 from components.kvstore.payload import (
     PREFIX_SIZE,
@@ -668,7 +667,7 @@ class MooncakeStore(KVStore):
 
     def keys(self, prefix: str = "") -> list[str]:
         return sorted(
-            k for k in self._all_keys() if "#" not in k and under_prefix(k, prefix)
+            k for k in self._all_keys() if "#" not in k and k.startswith(prefix)
         )
 
     def raw_keys(self) -> list[str]:
