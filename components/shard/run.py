@@ -32,6 +32,7 @@ from components.data.datasets import (
     utf8_bytes,
 )
 from components.data.runs import RunLayout, utc_now
+from components.errors import ConfigError
 
 MANIFEST_VERSION = 1
 # What must match for a re-run to be the same sharding.
@@ -39,7 +40,7 @@ _IDENTITY = ("dataset", "dataset_fingerprint", "kind", "num_shards", "max_prompt
 WRITE_BATCH = 256  # rows per Parquet row group in shard files
 
 
-class ShardConflictError(RuntimeError):
+class ShardConflictError(ConfigError):
     """The run id already holds a manifest for a different dataset or different settings."""
 
 
@@ -56,7 +57,7 @@ def run(
 ) -> dict[str, Any]:
     """Shard `dataset` for `run_id`; returns the manifest (the existing one on a no-op re-run)."""
     if num_shards < 1:
-        raise ValueError(f"--num-shards must be >= 1, got {num_shards}")
+        raise ConfigError(f"--num-shards {num_shards}: must be a whole number >= 1")
     layout = RunLayout.open(output, run_id)
     source = read_dataset(dataset)  # footers only; rows are streamed below
     identity = {"dataset": str(dataset), "dataset_fingerprint": source.fingerprint, "kind": kind,
@@ -68,7 +69,7 @@ def run(
         if diff:
             details = ", ".join(f"{k}: existing {a!r} vs requested {b!r}" for k, (a, b) in diff.items())
             raise ShardConflictError(f"run {run_id!r} at {layout.store.url(layout.manifest_key)} was sharded "
-                                     f"differently ({details}); use a new run id")
+                                     f"differently ({details}); use a new run id (or drop --run-id)")
         return existing  # same inputs: nothing to do
 
     jobs = iter_jobs(source, kind, count_tokens=count_tokens, max_prompt_tokens=max_prompt_tokens,
