@@ -77,6 +77,20 @@ def parse_size(text: str | int, what: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()[:1]])
 
 
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | float, what: str) -> float:
+    """'6h', '30m', '90s', '500ms', '3600' -> seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _DURATION_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{what}: {text!r} is not a duration (e.g. 6h, 30m, 90s, 3600)")
+    return float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
+
+
 def check_key(key: str) -> str:
     """Keys look like `{run}/{shard}/{row}`: '/'-separated parts of [A-Za-z0-9._~-]."""
     if not isinstance(key, str) or not key:
@@ -105,6 +119,7 @@ class KVStore(ABC):
     """
 
     url: str
+    ttl_s: float | None = None  # payloads older than this may be expired (None: kept until deleted)
 
     @abstractmethod
     def put(self, key: str, kv: PromptKV | Any) -> int:
