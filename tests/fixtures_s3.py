@@ -128,10 +128,13 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.port={s3_port}", f"-s3.config={creds}",
         f"-master.port={master_port}", f"-volume.port={volume_port}", f"-filer.port={filer_port}",
         f"-admin.port={admin_port}",
+        # its unix sockets default to /tmp/seaweedfs-*-<port>.sock and outlive the server
+        f"-s3.localSocket={base / 's3.sock'}", f"-filer.localSocket={base / 'filer.sock'}",
     ]
     log_path = base / "weed.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=base)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=base,
+                            env=dict(os.environ, TMPDIR=str(base)))  # anything else it puts in a temp dir
     try:
         server = SeaweedFS(endpoint=f"http://{HOST}:{s3_port}", access_key=access_key, secret_key=secret_key,
                            region="us-east-1", bucket=BUCKET, pid=proc.pid, log_path=log_path)
