@@ -74,6 +74,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     task = progress.add_task(f"AR  shard {shard}", len(pending))
     rows: list[dict[str, Any]] = []
     puts = _BackgroundPuts(store)
+    puts.expire_orphans()
     try:
         for start in range(0, len(pending), batch_size):
             batch = pending[start:start + batch_size]
@@ -122,6 +123,17 @@ class _BackgroundPuts:
         self.in_flight: list[tuple[dict[str, Any], str, Future]] = []
         self.stored: list[str] = []  # keys put so far (deleted if the step fails)
         self.waited_s = 0.0  # time the decode loop spent waiting for puts
+
+    def expire_orphans(self) -> None:
+        """Delete payloads older than the store's TTL (left by failed or killed runs), in the
+        background and best effort: a store that cannot list its keys just keeps them longer."""
+        if self.store is not None and getattr(self.store, "ttl_s", None):
+            def expire() -> None:
+                try:
+                    self.store.expire(self.store.ttl_s)
+                except Exception:  # noqa: BLE001 - housekeeping, never the step's failure
+                    pass
+            self.pool.submit(expire)
 
     def add(self, row: dict[str, Any], run_id: str, shard: int, kv: Any) -> None:
         try:
