@@ -35,7 +35,7 @@ def small_servers(tmp_path):
 def test_full_store_fails_the_put_and_evicts_nothing(small_servers):
     """Hard-pinned payloads are never evicted: when full, the put fails loudly, earlier
     payloads stay readable, and deleting consumed ones makes room again."""
-    s = open_store(small_servers.url + "&part=4MB")
+    s = open_store(small_servers.url + "&part=4MB&pin=hard")
     kv = make_kv(
         torch.bfloat16, layers=8, tokens=1024, heads=4, head_dim=64
     )  # 8 MiB of tensors
