@@ -92,6 +92,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     from components.ar.run import ar_settings
     from components.data.runs import RunLayout
     from components.dit.run import dit_settings
+    from components.shard.run import check_existing, shard_identity
     from components.steps import (
         KINDS,
         check_engine_options,
@@ -123,7 +124,8 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen)
     layout.check_settings("ar", ar)  # a resumed run: same settings, or a clear refusal
     layout.check_settings("dit", dit)
-    check_dataset(dataset, kind)
+    source = check_dataset(dataset, kind)
+    check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
     device = resolve_device(device)
     if kv_reuse and not ar_from_run:
         check_kv_store(kv_store or default_kv_store(output, run_id))

@@ -60,16 +60,10 @@ def run(
         raise ConfigError(f"--num-shards {num_shards}: must be a whole number >= 1")
     layout = RunLayout.open(output, run_id)
     source = read_dataset(dataset)  # footers only; rows are streamed below
-    identity = {"dataset": str(dataset), "dataset_fingerprint": source.fingerprint, "kind": kind,
-                "num_shards": num_shards, "max_prompt_tokens": max_prompt_tokens}
+    identity = shard_identity(dataset, source.fingerprint, kind, num_shards, max_prompt_tokens)
 
-    existing = layout.read_json(layout.manifest_key)
+    existing = check_existing(layout, identity)
     if existing is not None:
-        diff = {k: (existing.get(k), identity[k]) for k in _IDENTITY if existing.get(k) != identity[k]}
-        if diff:
-            details = ", ".join(f"{k}: existing {a!r} vs requested {b!r}" for k, (a, b) in diff.items())
-            raise ShardConflictError(f"run {run_id!r} at {layout.store.url(layout.manifest_key)} was sharded "
-                                     f"differently ({details}); use a new run id (or drop --run-id)")
         return existing  # same inputs: nothing to do
 
     jobs = iter_jobs(source, kind, count_tokens=count_tokens, max_prompt_tokens=max_prompt_tokens,
@@ -93,6 +87,27 @@ def run(
     }
     layout.write_json(layout.manifest_key, manifest)  # last: its presence means "inputs complete"
     return manifest
+
+
+def shard_identity(dataset: str, fingerprint: str, kind: str, num_shards: int,
+                   max_prompt_tokens: int | None) -> dict[str, Any]:
+    """What must match for a re-run to be the same sharding."""
+    return {"dataset": str(dataset), "dataset_fingerprint": fingerprint, "kind": kind, "num_shards": num_shards,
+            "max_prompt_tokens": max_prompt_tokens}
+
+
+def check_existing(layout: RunLayout, identity: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's manifest if it has one for this identity; None if it has none; a
+    ShardConflictError if the run id already belongs to another dataset or sharding."""
+    existing = layout.read_json(layout.manifest_key)
+    if existing is None:
+        return None
+    diff = {k: (existing.get(k), identity[k]) for k in _IDENTITY if existing.get(k) != identity[k]}
+    if diff:
+        details = ", ".join(f"{k}: existing {a!r} vs requested {b!r}" for k, (a, b) in diff.items())
+        raise ShardConflictError(f"run {layout.run_id!r} at {layout.store.url(layout.manifest_key)} was sharded "
+                                 f"differently ({details}); use a new run id (or drop --run-id)")
+    return existing
 
 
 def _write_shard(layout: RunLayout, k: int, jobs: Iterator[Job]) -> dict[str, Any]:
