@@ -55,9 +55,9 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     engine = dict(model=model, weights=weights, dummy_weights=dummy_weights,
                   tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_store=kv_store,
                   device=plan["device"], dtype=dtype, seed=seed)
-    n = manifest["num_shards"]
-    with make_progress(progress, job_steps=n * (1 if ar_from_run else 2)) as bars:
-        for shard in range(n):
+    todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
+    with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2)) as bars:
+        for shard in todo:
             if not ar_from_run:
                 run_ar(output, run_id, shard, batch_size=batch_size, export_kv=kv_reuse, progress=bars,
                        **{k: gen[k] for k in ("bot_task", "system_prompt", "max_new_tokens", "temperature",

@@ -15,6 +15,7 @@ import http.client
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -598,3 +599,66 @@ def test_step_programs_reject_rows_over_the_model_limits(tmp_path):
     assert set(errors) == {"too-long", "no-bucket"}, (shard_input, ar)
     assert "over the budget of 256" in errors["too-long"]
     assert "64x64" in errors["no-bucket"] and "not supported" in errors["no-bucket"]
+
+
+# ------------------------------------------- 5. any row id, Ctrl-C, resume, progress off a TTY
+
+ODD_IDS = ["has space", "a/b/../c", "ünïcödé ☕", "x" * 300]
+
+
+def test_odd_row_ids_ctrl_c_and_resume_through_the_cli(tmp_path):
+    """Row ids with a space, slashes, unicode and 300 characters go through a whole `ardit generate`
+    (KV keys and file names are encoded; the ids themselves are kept). The run prints its id and the
+    command that resumes it; Ctrl-C after the first shard committed stops cleanly and says what was
+    committed; that command then finishes the run. Off a TTY, progress is one log line per shard step."""
+    from components.data.datasets import write_parquet_bytes
+    from components.data.runs import row_key
+    from components.kvstore import open_store
+
+    rows = [{"id": rid, "prompt": f"a red fox, picture {n}", "seed": n, "size": "auto"}
+            for n, rid in enumerate(ODD_IDS)]
+    (tmp_path / "odd.parquet").write_bytes(write_parquet_bytes(pa.Table.from_pylist(rows)))
+    out = tmp_path / "out"
+    ardit = [sys.executable, "-m", "pipeline.cli"]
+    cmd = [*ardit, "generate", str(tmp_path / "odd.parquet"), "-o", str(out), "--num-shards", "2",
+           "--steps", "1", "--max-new-tokens", "2", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = proc.stdout.readline()  # "run RUN: generate DATASET -> OUT/RUN"
+        resume = proc.stdout.readline()  # "resume with: ardit ... --run-id RUN"
+        assert started.startswith("run generate-"), started + proc.stderr.read()
+        run_id = started.split()[1].rstrip(":")
+        assert resume.startswith("resume with: ardit generate ") and resume.strip().endswith(f"--run-id {run_id}")
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not (out / run_id / "shards" / "0" / "_COMMITTED").exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=STEP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("interrupted: committed 1 of 2 shard(s)") and resume.split(": ", 1)[1].strip() in last
+
+    resumed = subprocess.run([*ardit, *shlex.split(resume.split(": ", 1)[1])[1:]], cwd=ROOT, capture_output=True,
+                             text=True, timeout=STEP_TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    progress = [ln for ln in resumed.stderr.splitlines() if "shard 1: 2/2 rows in" in ln]
+    assert len(progress) == 2 and all("rows/s" in ln and "ETA" in ln for ln in progress), resumed.stderr
+    assert "\x1b[" not in resumed.stderr  # no terminal control codes in a log
+
+    summary = json.loads((out / run_id / "summary.json").read_text())
+    assert (summary["rows_total"], summary["rows_ok"], summary["complete"]) == (4, 4, True), summary
+    assert "None" not in summary["kv_reasons"] and summary["kv_paths"] == {"reuse": 4}
+    assert all(s["kv_wait_fraction"] is not None for s in summary["shards"])
+    got = [r for k in (0, 1) for r in pq.read_table(out / run_id / "shards" / str(k) / "rows.parquet").to_pylist()]
+    assert [r["id"] for r in got] == ODD_IDS  # the ids themselves, unchanged, in dataset order
+    for r in got:
+        name = r["image_key"].rsplit("/", 1)[1]
+        assert name == f"{row_key(r['id'])}.png" and len(name) < 100 and (out / r["image_key"]).is_file()
+    assert open_store(f"local://{out / run_id / '_kv'}").keys() == []  # every payload consumed
