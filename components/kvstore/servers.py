@@ -173,6 +173,7 @@ class MooncakeServers:
         self.start_timeout = start_timeout
         self.master_flags = master_flags
         self._procs: dict[str, subprocess.Popen] = {}
+        self._argv: dict[str, tuple[list[str], str | None]] = {}
         self.loopback_shim: str | None = None  # set by start() when the holder's binds are confined
         self._own_workdir = (
             not workdir
@@ -182,7 +183,20 @@ class MooncakeServers:
     def url(self) -> str:
         return self.state.url
 
+    def restart(self, name: str) -> None:
+        """Kill one server (SIGKILL, as a crash) and start it again with the same command line
+        (tests: a master restart loses every key; clients must cope)."""
+        proc = self._procs[name]
+        proc.kill()
+        proc.wait(timeout=30)
+        argv, preload = self._argv[name]
+        self._spawn(name, argv, preload)
+        if name == "master":
+            s = self.state
+            self._wait("master", lambda: (_http_ok(f"{s.admin_url}/health") or "").find('"ok"') >= 0)
+
     def _spawn(self, name: str, argv: list[str], preload: str | None = None) -> None:
+        self._argv[name] = (argv, preload)
         s = self.state
         env = dict(os.environ, MC_TCP_BIND_ADDRESS=s.host)
         if preload:
