@@ -548,3 +548,45 @@ def test_odd_row_ids_ctrl_c_and_resume_through_the_cli(tmp_path):
         name = r["image_key"].rsplit("/", 1)[1]
         assert name == f"{row_key(r['id'])}.png" and len(name) < 100 and (out / r["image_key"]).is_file()
     assert open_store(f"local://{out / run_id / '_kv'}").keys() == []  # every payload consumed
+
+
+# ---------------------------------------------------- 6. a KV store restarted mid-shard
+
+@pytest.mark.servers
+def test_dit_step_survives_a_mooncake_master_restart(tmp_path, monkeypatch):
+    """issue 13: a master restart while a DiT step ran crashed it (remove_by_regex: -900 RPC_FAIL)
+    after the row was committed. Now the consumed payloads' deletes are retried and then left to
+    the TTL, rows whose KV went with the master recompute and say why, and the shard commits."""
+    from components.ar.run import run as run_ar
+    from components.data.sample import write_sample_generate_dataset
+    from components.dit.run import run as run_dit
+    from components.shard.run import run as run_shard
+    from components.steps import load_engine
+    from tests.fixtures_mooncake import start_servers
+
+    srv = start_servers(tmp_path / "mc", segment="128MB")
+    try:
+        url = srv.url + "&timeout=10&connect_timeout=2"
+        dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=3, seed=8)
+        output, run_id = str(tmp_path / "out"), "restart"
+        run_shard(dataset, output, run_id, 1, "generate")
+        run_ar(output, run_id, 0, kv_store=url, max_new_tokens=2, device="cpu")
+        engine = load_engine("tiny", None, "cpu", None, 0)
+        real = type(engine.dit).__call__
+        done = []
+
+        def restart_master_after_first_row(self, request):
+            out = real(self, request)
+            done.append(request.ar.id)
+            if len(done) == 1:
+                srv.restart("master")  # every key is gone; the client's connection is stale
+            return out
+
+        monkeypatch.setattr(type(engine.dit), "__call__", restart_master_after_first_row)
+        result = run_dit(output, run_id, 0, kv_store=url, steps=1, device="cpu")
+        assert result["ok"] == 3 and result["failed"] == 0, result
+        rows = pq.read_table(tmp_path / "out" / run_id / "shards" / "0" / "rows.parquet").to_pylist()
+        assert rows[0]["kv_path"] == "reuse"
+        assert rows[2]["kv_path"] == "recompute" and rows[2]["kv_reason"].startswith("KV "), rows[2]
+    finally:
+        srv.stop()
