@@ -86,19 +86,20 @@ Dataset = Annotated[str, typer.Argument(help="the dataset: a Parquet file, a dir
 BatchSize = Annotated[int, typer.Option("--batch-size", help="rows per batched AR prefill/decode")]
 
 
-def _resume_command(run_id: str) -> str:
+def _resume_command(run_id: str | None) -> str:
     """This very command line, with --run-id RUN if it had none (and without --debug)."""
     args = [a for a in sys.argv[1:] if a != "--debug"]
-    if not any(a == "--run-id" or a.startswith("--run-id=") for a in args):
+    if run_id and not any(a == "--run-id" or a.startswith("--run-id=") for a in args):
         args += ["--run-id", run_id]
     return shlex.join(["ardit", *args])
 
 
-def _run(kind: str, dataset: str, output: str, run_id: str | None, **options: Any) -> None:
+def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_run_id: bool = True,
+         **options: Any) -> None:
     from pipeline.local import run_job, run_status
 
     run_id = run_id or f"{kind}-{uuid.uuid4().hex[:8]}"
-    resume = _resume_command(run_id)
+    resume = _resume_command(run_id if resume_adds_run_id else None)
 
     def started() -> None:  # after every check passed, before any work
         typer.echo(f"run {run_id}: {kind} {dataset} -> {output.rstrip('/')}/{run_id}")
@@ -183,8 +184,8 @@ def demo(output: Output = "demo", steps: Steps = None) -> None:
     sample_data(str(out / "edit.parquet"), "edit", 3)
     sample_data(str(out / "generate.parquet"), "generate", 3)
     for kind in ("edit", "generate"):
-        _run(kind, str(out / f"{kind}.parquet"), str(out / "runs"), f"demo-{kind}", num_shards=1, model="tiny",
-             steps=steps, device="cpu")
+        _run(kind, str(out / f"{kind}.parquet"), str(out / "runs"), f"demo-{kind}", resume_adds_run_id=False,
+             num_shards=1, model="tiny", steps=steps, device="cpu")
 
 
 # ------------------------------------------------------------------------------- error handling
