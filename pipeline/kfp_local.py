@@ -110,15 +110,16 @@ class _TaskLog(io.TextIOBase):
 
     _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, echo: Any):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "a", encoding="utf-8")
+        self.echo = echo  # the real stdout (this object stands in for it while kfp runs)
 
     def write(self, text: str) -> int:
         self.file.write(text)
         for line in self._ANSI.sub("", text).splitlines():
-            if line.lstrip().startswith("Task ") and " finished with status " in line:
-                print("run-local: " + line.split(" - ")[-1].strip(), file=sys.stderr, flush=True)
+            if "Task " in line and " finished with status " in line:  # "HH:MM:SS.mmm - INFO - Task ..."
+                print("run-local: " + line.split(" - ", 2)[-1].strip(), file=self.echo, flush=True)
         return len(text)
 
     def flush(self) -> None:
@@ -158,8 +159,8 @@ def run_local(output: str, dataset: str | None = None, run_id: str | None = None
                workspace_root=str(out / "_kfp_local" / "workspace"), raise_on_error=True)
     pipeline, summary_step = _build()
     log_path = out / "_kfp_local" / f"{run_id}.log"
-    print(f"run-local: task logs in {log_path}", file=sys.stderr)
-    with _TaskLog(log_path) as log, contextlib.redirect_stdout(log):
+    print(f"run-local: task logs in {log_path}", flush=True)
+    with _TaskLog(log_path, sys.stdout) as log, contextlib.redirect_stdout(log):
         pipeline(dataset=dataset, output=str(out), run_id=run_id, num_shards=num_shards, model=model,
                  kv_store=kv_store, weights=weights or "", steps=steps, guidance=guidance)
         summary_step(output=str(out), run_id=run_id)
