@@ -122,36 +122,62 @@ def _engine_load_kwargs(dummy_weights: bool, tensor_parallel_size: int, quantiza
     return extra
 
 
-@lru_cache(maxsize=2)
 def load_engine(model: str, weights: str | None, device: str, dtype: str | None, seed: int = 0,
-                dummy_weights: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None):
-    """One engine per process, whatever number of shards it serves."""
+                dummy_weights: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
+                parallel: Any = None):
+    """One engine per process, whatever number of shards it serves. `parallel`: this rank's
+    ParallelContext when the step runs on tensor-parallel ranks (components.ranks passes it)."""
+    if parallel is not None:  # one rank process, one engine: nothing to cache
+        from components.engine import Engine
+
+        return Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed, parallel=parallel,
+                           **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization))
+    return _cached_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization)
+
+
+@lru_cache(maxsize=2)
+def _cached_engine(model: str, weights: str | None, device: str, dtype: str | None, seed: int,
+                   dummy_weights: bool, tensor_parallel_size: int, quantization: str | None):
     from components.engine import Engine
 
     return Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed,
                        **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization))
 
 
-def model_validators(model: str) -> tuple[Callable[[str], int], Callable[[int, int], bool], int]:
-    """(count_tokens, is_supported_size, max_prompt_tokens) for a model, without loading weights."""
-    from components.engine.config import HunyuanImage3Config, get_config
-    from components.engine.sequence import ResolutionGroup
-    from components.engine.tokenizer import load_tokenizer
-
+def describe_model(model: str) -> tuple[ModelRef, Any, Any, Any]:
+    """(ref, config, tokenizer, generation config or None) of a model, without its weights;
+    ConfigError when it cannot be described (no tokenizer files, unreadable config, ...)."""
     ref = resolve_model(model)
     try:
+        from components.engine.engine import _describe
+        from components.engine.resolve import ResolvedModel
+    except ImportError:  # an engine from before resolve.py
+        _describe = None
+    try:
+        if _describe is not None:
+            config, tokenizer, generation_config, _ = _describe(ResolvedModel(ref.kind, ref.path, ref.name))
+            return ref, config, tokenizer, generation_config
+        from components.engine.config import HunyuanImage3Config, get_config
+        from components.engine.tokenizer import load_tokenizer
+
         if ref.kind == "dir":
             config = HunyuanImage3Config.from_dict(json.loads((ref.path / "config.json").read_text()))
-            tokenizer = load_tokenizer(ref.path)
-            max_tokens = MAX_PROMPT_TOKENS["hunyuan-image-3"]
-        else:
-            config = get_config(ref.name)
-            tokenizer = load_tokenizer(None if ref.name == "tiny" else ref.name)
-            max_tokens = MAX_PROMPT_TOKENS.get(ref.name, 2048)
-    except (OSError, ValueError, KeyError) as exc:  # no tokenizer files, unreadable config, ...
-        raise ConfigError(f"--model {model}: cannot load its tokenizer/config ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}); pass a checkpoint directory "
-                          "that holds config.json and the tokenizer files") from None
+            return ref, config, load_tokenizer(ref.path), None
+        return ref, get_config(ref.name), load_tokenizer(None if ref.name == "tiny" else ref.name), None
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"--model {model}: cannot load its config/tokenizer/generation config ({first}); pass "
+                          "a checkpoint directory with config.json, generation_config.json and the tokenizer "
+                          "files") from None
+
+
+def model_validators(model: str) -> tuple[Callable[[str], int], Callable[[int, int], bool], int]:
+    """(count_tokens, is_supported_size, max_prompt_tokens) for a model, without loading weights."""
+    from components.engine.sequence import ResolutionGroup
+
+    ref, config, tokenizer, _ = describe_model(model)
+    max_tokens = MAX_PROMPT_TOKENS.get(ref.name, MAX_PROMPT_TOKENS["hunyuan-image-3"]) if ref.kind == "preset" \
+        else MAX_PROMPT_TOKENS["hunyuan-image-3"]
     buckets = ResolutionGroup(config.image_base_size)
     return (lambda text: len(tokenizer.encode(text)),
             lambda w, h: buckets.index_of(w, h) is not None,
@@ -163,29 +189,18 @@ def model_validators(model: str) -> tuple[Callable[[str], int], Callable[[int, i
 
 def generation_defaults(model: str) -> dict[str, Any]:
     """The model's generation config, under the CLI's names (steps, guidance, ...)."""
-    ref = resolve_model(model)
-    try:
-        from components.engine import generation_config as gcm
-    except ImportError:
-        gcm = None
-    if gcm is not None:
-        path = ref.path / "generation_config.json" if ref.path else None
-        if path is not None and path.is_file():
-            gc = gcm.GenerationConfig.from_file(path)
-        elif ref.name == "tiny":
-            gc = gcm.tiny_generation_config()
-        else:
-            gc = gcm.GenerationConfig()
-        values = {cli: getattr(gc, field) for cli, field in GENERATION_FIELDS.items()}
-        if getattr(gc, "do_sample", True) is False:
-            values["temperature"] = 0.0
-        return values
-    if ref.path is not None and (ref.path / "generation_config.json").is_file():
-        raw = json.loads((ref.path / "generation_config.json").read_text())
-        base = dict(_FALLBACK_GENERATION[None])
-        base.update({cli: raw[field] for cli, field in GENERATION_FIELDS.items() if field in raw})
-        return base
-    return dict(_FALLBACK_GENERATION["tiny" if ref.name == "tiny" else None])
+    ref, _, _, gc = describe_model(model)
+    if gc is None:  # an engine without generation configs: the values of CONTRACTS.md
+        if ref.path is not None and (ref.path / "generation_config.json").is_file():
+            raw = json.loads((ref.path / "generation_config.json").read_text())
+            base = dict(_FALLBACK_GENERATION[None])
+            base.update({cli: raw[field] for cli, field in GENERATION_FIELDS.items() if field in raw})
+            return base
+        return dict(_FALLBACK_GENERATION["tiny" if ref.name == "tiny" else None])
+    values = {cli: getattr(gc, field) for cli, field in GENERATION_FIELDS.items()}
+    if getattr(gc, "do_sample", True) is False:
+        values["temperature"] = 0.0
+    return values
 
 
 def resolve_generation(model: str, greedy: bool = False, **given: Any) -> dict[str, Any]:

@@ -57,7 +57,7 @@ def one_line_error(code: int, err: str, *needles: str, exit_code: int = 2) -> st
     (["--tp", "0"], ["--tensor-parallel-size"]),
     (["--device", "gpu"], ["--device 'gpu'", "did you mean cuda"]),
     (["--run-id", "my run"], ["--run-id 'my run'"]),
-    (["--model", "/no/such/checkpoint"], ["--model /no/such/checkpoint", "no such checkpoint directory"]),
+    (["--model", "/no/such/checkpoint"], ["--model /no/such/checkpoint", "does not exist"]),
     (["--model", "someorg/some-model"], ["hf download someorg/some-model"]),
     (["--weights", "/no/such/weights"], ["--weights /no/such/weights"]),
     (["--kv-store", "mooncake://127.0.0.1:1"], ["mooncake://127.0.0.1:1", "unreachable", "ardit store up"]),

@@ -47,10 +47,12 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kv_store: str | None = None, batch_size: int = 8, bot_task: str | None = None,
         system_prompt: str | None = None, max_new_tokens: int | None = None, temperature: float | None = None,
         top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int = 0,
-        device: str = "cpu", dtype: str | None = None, export_kv: bool = True, progress: Any = None) -> dict[str, Any]:
+        device: str = "cpu", dtype: str | None = None, export_kv: bool = True, progress: Any = None,
+        parallel: Any = None) -> dict[str, Any]:
     """Run the AR step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
-    differ from those the run started with."""
+    differ from those the run started with. `parallel`: this rank's ParallelContext under the
+    tensor-parallel launcher (components.ranks), None in one process."""
     from components.engine import ARRequest, SamplingParams
 
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
@@ -66,7 +68,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     if pending and {j.id for j in pending} <= existing:
         return {"shard": shard, "skipped": "ar.parquet covers all pending rows"}
 
-    engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization)
+    engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
+                         parallel)
     store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
     sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
                               max_new_tokens=gen["max_new_tokens"])
