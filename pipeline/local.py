@@ -67,25 +67,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
                     **engine)
     summary = run_summary(output, run_id)
     summary.setdefault("wall_s", round(time.perf_counter() - t0, 3))
-    if kv_store is None:
-        _remove_empty_kv_dir(output, run_id)
     return summary
-
-
-def _remove_empty_kv_dir(output: str, run_id: str) -> None:
-    """The embedded store's directory once every payload was consumed (for s3:// outputs it is
-    in the temp dir, which would otherwise collect one empty directory per run)."""
-    import os
-
-    from components.steps import default_kv_store
-
-    root = default_kv_store(output, run_id).removeprefix("local://")
-    for path in (root, os.path.dirname(root) if "://" in output else None):
-        try:
-            if path:
-                os.rmdir(path)  # only if empty
-        except OSError:
-            return
 
 
 def run_status(output: str, run_id: str) -> dict[str, Any]:

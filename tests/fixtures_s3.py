@@ -147,6 +147,11 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
     finally:
         _stop(proc)
         log.close()
+        # sockets weed puts in /tmp whatever its flags say (the admin gRPC one): ours end in our ports
+        ours = {p + off for p in (s3_port, master_port, volume_port, filer_port, admin_port) for off in (0, 10000)}
+        for sock in Path("/tmp").glob("seaweedfs-*.sock"):
+            if sock.stem.rsplit("-", 1)[-1].isdigit() and int(sock.stem.rsplit("-", 1)[-1]) in ours:
+                sock.unlink(missing_ok=True)
 
 
 def _wait_and_create_bucket(server: SeaweedFS, proc: subprocess.Popen) -> None:

@@ -106,9 +106,25 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         out_io.close()  # a row being written is finished (it is atomic either way), then stop
         kv_io.close()
         store.close()
+    if kv_store is None:
+        _remove_if_empty(default_kv_store(output, run_id))
     progress.finish(task)
     return {"shard": shard, **marker, "kv_wait_s": round(out_io.kv_wait_s, 4),
             "kv_deletes_failed": kv_io.deletes_failed}
+
+
+def _remove_if_empty(url: str) -> None:
+    """The embedded store's directory once nothing is left in it (for s3:// outputs it sits in the
+    temp dir's ardit-kv/, which would otherwise collect an empty directory per run)."""
+    import os
+
+    root = url.removeprefix("local://")
+    for path in (root, os.path.dirname(root) if os.path.basename(os.path.dirname(root)) == "ardit-kv" else None):
+        try:
+            if path:
+                os.rmdir(path)  # only ever removes an empty directory
+        except OSError:
+            return
 
 
 def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: str, kv, absent_reason: str,
