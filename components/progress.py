@@ -1,7 +1,7 @@
 """Progress of the shard steps: rich bars on a terminal, plain log lines anywhere else.
 
 The AR and DiT steps call `task = progress.add_task(label, total)`, `progress.advance(task, n)`
-and `progress.finish(task)`. On a TTY that draws rich bars; in CI logs and pods (stderr not a
+and `progress.finish(task)` (or `progress.skip(label, why)` when resuming leaves them nothing). On a TTY that draws rich bars; in CI logs and pods (stderr not a
 TTY) it writes one line when a shard step ends, with rows done, rows/s and the ETA of the job,
 and a line every `interval_s` while a long step runs.
 """
@@ -68,14 +68,20 @@ class LogProgress:
     def finish(self, task: _Task) -> None:
         elapsed = time.monotonic() - task.t0
         rate = task.done / elapsed if elapsed > 0 else 0.0
-        text = f"{task.label}: {task.done}/{task.total} rows in {_duration(elapsed)} ({rate:.2f} rows/s)"
+        self._line(f"{task.label}: {task.done}/{task.total} rows in {_duration(elapsed)} ({rate:.2f} rows/s)"
+                   + self._job())
+
+    def skip(self, label: str, why: str) -> None:
+        """A shard step with nothing to do (resume)."""
+        self._line(f"{label}: skipped ({why})" + self._job())
+
+    def _job(self) -> str:
         self.steps_done += 1
-        if self.job_steps:
-            job_elapsed = time.monotonic() - self.t0
-            left = self.job_steps - self.steps_done
-            eta = job_elapsed / self.steps_done * left
-            text += f"; job: {self.steps_done}/{self.job_steps} shard steps, ETA {_duration(eta)}"
-        self._line(text)
+        if not self.job_steps:
+            return ""
+        left = max(0, self.job_steps - self.steps_done)
+        eta = (time.monotonic() - self.t0) / self.steps_done * left
+        return f"; job: {self.steps_done}/{self.job_steps} shard steps, ETA {_duration(eta)}"
 
 
 class RichProgress:
@@ -110,6 +116,9 @@ class RichProgress:
     def finish(self, task: Any) -> None:
         self.bars.refresh()
 
+    def skip(self, label: str, why: str) -> None:
+        self.bars.console.print(f"{label}: skipped ({why})")
+
 
 class NoProgress:
     def __enter__(self) -> NoProgress:
@@ -125,6 +134,9 @@ class NoProgress:
         pass
 
     def finish(self, task: Any) -> None:
+        pass
+
+    def skip(self, label: str, why: str) -> None:
         pass
 
 

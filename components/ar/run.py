@@ -61,19 +61,23 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     layout = RunLayout.open(output, run_id)
     layout.remember_settings("ar", ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
+    progress = progress or NoProgress()
+    pending, skipped = [], None
     if layout.is_committed(shard):
-        return {"shard": shard, "skipped": "committed"}
-    pending = layout.shard_writer(shard).pending()
-    existing = set(read_ar_rows(layout, shard))
-    if pending and {j.id for j in pending} <= existing:
-        return {"shard": shard, "skipped": "ar.parquet covers all pending rows"}
+        skipped = "committed"
+    else:
+        pending = layout.shard_writer(shard).pending()
+        if pending and {j.id for j in pending} <= set(read_ar_rows(layout, shard)):
+            skipped = "ar.parquet covers all pending rows"
+    if skipped:
+        progress.skip(f"AR  shard {shard}", skipped)
+        return {"shard": shard, "skipped": skipped}
 
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
                          parallel)
     store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
     sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
                               max_new_tokens=gen["max_new_tokens"])
-    progress = progress or NoProgress()
     task = progress.add_task(f"AR  shard {shard}", len(pending))
     rows: list[dict[str, Any]] = []
     puts = _BackgroundPuts(store)

@@ -62,7 +62,9 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     gen = resolve_generation(model, steps=steps, guidance=guidance, flow_shift=flow_shift)
     layout = RunLayout.open(output, run_id)
     layout.remember_settings("dit", dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
+    progress = progress or NoProgress()
     if layout.is_committed(shard):
+        progress.skip(f"DiT shard {shard}", "committed")
         return {"shard": shard, "skipped": "committed"}
     writer = layout.shard_writer(shard)
     pending = writer.pending()
@@ -72,7 +74,6 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
     kv_io = _KVReader(store, engine, kv_reuse)
     out_io = _RowWriter(writer, layout, shard, save_latents, kv_io)
-    progress = progress or NoProgress()
     task = progress.add_task(f"DiT shard {shard}", len(pending))
     fetches: dict[int, Future] = {}
 
