@@ -1,17 +1,302 @@
-"""What the AR and DiT step programs share: engine loading, the default KV store, validators."""
+"""What the AR and DiT steps share: engine loading, generation settings, option checks, the
+default KV store, and the argparse / error handling of the step programs.
+
+Generation settings (`steps`, `guidance`, ...) default to None, which means "the model's
+generation config" (`generation_config.json` of a checkpoint; the tiny preset has its own).
+`resolve_generation` fills them in, and the resolved values are what a run remembers, so
+`--steps 8` and "no --steps" on a model whose config says 8 are the same run.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import os
+import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
+from pathlib import Path
+from typing import Any
 
-from components.kvstore.base import make_key
+from components.errors import ConfigError, missing_extra
 
 # A prompt longer than this many tokens is an error row (the model's context must also hold the
 # conditioning images, the CoT and the generated image).
 MAX_PROMPT_TOKENS = {"tiny": 256, "hunyuan-image-3": 2048}
+
+KINDS = ("edit", "generate")
+BOT_TASKS = ("image", "recaption", "think", "think_recaption", "auto")
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("fp8",)
+DEVICES = ("auto", "cpu", "cuda")
+
+# CLI name -> GenerationConfig field (official generation_config.json keys)
+GENERATION_FIELDS = {
+    "steps": "diff_infer_steps",
+    "guidance": "diff_guidance_scale",
+    "flow_shift": "flow_shift",
+    "bot_task": "bot_task",
+    "system_prompt": "use_system_prompt",
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+}
+AR_SETTINGS = ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k", "top_p")
+DIT_SETTINGS = ("steps", "guidance", "flow_shift")
+
+# Used only while components.engine.generation_config is not there (CONTRACTS.md values).
+_FALLBACK_GENERATION = {
+    "tiny": {"steps": 8, "guidance": 5.0, "flow_shift": 3.0, "bot_task": "think_recaption",
+             "system_prompt": "en_unified", "max_new_tokens": 32, "temperature": 0.6, "top_k": 1024,
+             "top_p": 0.95},
+    # official base / Instruct-Distil generation configs (reference notes, "Defaults")
+    None: {"steps": 50, "guidance": 5.0, "flow_shift": 3.0, "bot_task": "think_recaption",
+           "system_prompt": "en_unified", "max_new_tokens": 2048, "temperature": 0.6, "top_k": 1024,
+           "top_p": 0.95},
+}
+
+
+# ------------------------------------------------------------------------------ model and engine
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model the engine can load: a preset (`path` None) or a checkpoint directory."""
+
+    kind: str  # "preset" | "dir"
+    name: str
+    path: Path | None = None
+
+
+def resolve_model(model: str) -> ModelRef:
+    """Preset, checkpoint directory or Hugging Face repo id -> ModelRef; ConfigError otherwise.
+
+    Uses `components.engine.resolve.resolve_model` when it exists (the lead's; it knows about
+    downloads), else the presets and directories this checkout knows."""
+    try:
+        from components.engine import resolve as engine_resolve
+    except ImportError:
+        engine_resolve = None
+    if engine_resolve is not None:
+        try:
+            r = engine_resolve.resolve_model(model)
+        except engine_resolve.ModelNotFound as exc:
+            raise ConfigError(f"--model {model}: {exc}") from None
+        path = Path(r.path) if getattr(r, "path", None) else None
+        return ModelRef(r.kind, r.name, path if r.kind == "dir" else None)
+    from components.engine.config import PRESETS
+
+    if model in PRESETS:
+        return ModelRef("preset", model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--model {model}: the directory has no config.json (is it a HunyuanImage-3 "
+                              "checkpoint? download one with `hf download tencent/HunyuanImage-3.0-Instruct "
+                              "--local-dir DIR`)")
+        return ModelRef("dir", path.name, path.resolve())
+    if path.exists():
+        raise ConfigError(f"--model {model}: is a file; give a preset ({', '.join(sorted(PRESETS))}) or a "
+                          "checkpoint directory")
+    looks_like_repo = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    hint = (f"download it with `hf download {model} --local-dir DIR` and pass --model DIR" if looks_like_repo
+            else "check the path")
+    raise ConfigError(f"--model {model}: not a preset ({', '.join(sorted(PRESETS))}) and no such checkpoint "
+                      f"directory; {hint}")
+
+
+def _engine_load_kwargs(dummy_weights: bool, tensor_parallel_size: int, quantization: str | None) -> dict:
+    """The Engine.load keywords of CONTRACTS.md, passed only when they differ from their
+    defaults (so an engine that predates them still loads the default configuration)."""
+    extra: dict[str, Any] = {}
+    if dummy_weights:
+        extra["dummy_weights"] = True
+    if tensor_parallel_size != 1:
+        extra["tensor_parallel_size"] = tensor_parallel_size
+    if quantization:
+        extra["quantization"] = quantization
+    return extra
+
+
+def load_engine(model: str, weights: str | None, device: str, dtype: str | None, seed: int = 0,
+                dummy_weights: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
+                parallel: Any = None):
+    """One engine per process, whatever number of shards it serves. `parallel`: this rank's
+    ParallelContext when the step runs on tensor-parallel ranks (components.ranks passes it)."""
+    if parallel is not None:  # one rank process, one engine: nothing to cache
+        from components.engine import Engine
+
+        return Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed, parallel=parallel,
+                           **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization))
+    return _cached_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization)
+
+
+@lru_cache(maxsize=2)
+def _cached_engine(model: str, weights: str | None, device: str, dtype: str | None, seed: int,
+                   dummy_weights: bool, tensor_parallel_size: int, quantization: str | None):
+    from components.engine import Engine
+
+    return Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed,
+                       **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization))
+
+
+def describe_model(model: str) -> tuple[ModelRef, Any, Any, Any]:
+    """(ref, config, tokenizer, generation config or None) of a model, without its weights;
+    ConfigError when it cannot be described (no tokenizer files, unreadable config, ...)."""
+    ref = resolve_model(model)
+    try:
+        from components.engine.engine import _describe
+        from components.engine.resolve import ResolvedModel
+    except ImportError:  # an engine from before resolve.py
+        _describe = None
+    try:
+        if _describe is not None:
+            config, tokenizer, generation_config, _ = _describe(ResolvedModel(ref.kind, ref.path, ref.name))
+            return ref, config, tokenizer, generation_config
+        from components.engine.config import HunyuanImage3Config, get_config
+        from components.engine.tokenizer import load_tokenizer
+
+        if ref.kind == "dir":
+            config = HunyuanImage3Config.from_dict(json.loads((ref.path / "config.json").read_text()))
+            return ref, config, load_tokenizer(ref.path), None
+        return ref, get_config(ref.name), load_tokenizer(None if ref.name == "tiny" else ref.name), None
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"--model {model}: cannot load its config/tokenizer/generation config ({first}); pass "
+                          "a checkpoint directory with config.json, generation_config.json and the tokenizer "
+                          "files") from None
+
+
+def model_validators(model: str) -> tuple[Callable[[str], int], Callable[[int, int], bool], int]:
+    """(count_tokens, is_supported_size, max_prompt_tokens) for a model, without loading weights."""
+    from components.engine.sequence import ResolutionGroup
+
+    ref, config, tokenizer, _ = describe_model(model)
+    max_tokens = MAX_PROMPT_TOKENS.get(ref.name, MAX_PROMPT_TOKENS["hunyuan-image-3"]) if ref.kind == "preset" \
+        else MAX_PROMPT_TOKENS["hunyuan-image-3"]
+    buckets = ResolutionGroup(config.image_base_size)
+    return (lambda text: len(tokenizer.encode(text)),
+            lambda w, h: buckets.index_of(w, h) is not None,
+            max_tokens)
+
+
+# ----------------------------------------------------------------------------- generation config
+
+
+def generation_defaults(model: str) -> dict[str, Any]:
+    """The model's generation config, under the CLI's names (steps, guidance, ...)."""
+    ref, _, _, gc = describe_model(model)
+    if gc is None:  # an engine without generation configs: the values of CONTRACTS.md
+        if ref.path is not None and (ref.path / "generation_config.json").is_file():
+            raw = json.loads((ref.path / "generation_config.json").read_text())
+            base = dict(_FALLBACK_GENERATION[None])
+            base.update({cli: raw[field] for cli, field in GENERATION_FIELDS.items() if field in raw})
+            return base
+        return dict(_FALLBACK_GENERATION["tiny" if ref.name == "tiny" else None])
+    values = {cli: getattr(gc, field) for cli, field in GENERATION_FIELDS.items()}
+    if getattr(gc, "do_sample", True) is False:
+        values["temperature"] = 0.0
+    return values
+
+
+def resolve_generation(model: str, greedy: bool = False, **given: Any) -> dict[str, Any]:
+    """Generation settings with None filled from the model's generation config; checked."""
+    unknown = set(given) - set(GENERATION_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown generation settings {sorted(unknown)}")
+    check_generation_options(**given)
+    values = generation_defaults(model)
+    values.update({k: v for k, v in given.items() if v is not None})
+    if greedy:
+        values["temperature"] = 0.0
+    if values.get("system_prompt") is None:
+        values["system_prompt"] = "none"
+    check_generation_options(**values)  # a checkpoint's own config can be wrong too
+    return values
+
+
+# ---------------------------------------------------------------------------------- option checks
+
+
+def _bad(option: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"{option} {value!r}: {rule}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_generation_options(*, steps=None, guidance=None, flow_shift=None, bot_task=None, system_prompt=None,
+                             max_new_tokens=None, temperature=None, top_k=None, top_p=None) -> None:
+    """Run-wide generation options; None means "from the generation config" and is not checked."""
+    if steps is not None and not (_is_int(steps) and steps >= 1):
+        raise _bad("--steps", steps, "must be a whole number >= 1 (denoising steps)")
+    if guidance is not None and not (isinstance(guidance, (int, float)) and math.isfinite(guidance)
+                                     and guidance >= 0):
+        raise _bad("--guidance", guidance, "must be a number >= 0 (CFG scale; values <= 1 turn CFG off)")
+    if flow_shift is not None and not (isinstance(flow_shift, (int, float)) and math.isfinite(flow_shift)
+                                       and flow_shift > 0):
+        raise _bad("--flow-shift", flow_shift, "must be a number > 0")
+    if bot_task is not None and bot_task not in BOT_TASKS:
+        raise _bad("--bot-task", bot_task, f"must be one of {', '.join(BOT_TASKS)}")
+    if system_prompt is not None and not str(system_prompt).strip():
+        raise _bad("--system-prompt", system_prompt, "must be a preset name (en_unified, none, ...) or the text")
+    if max_new_tokens is not None and not (_is_int(max_new_tokens) and max_new_tokens >= 1):
+        raise _bad("--max-new-tokens", max_new_tokens, "must be a whole number >= 1")
+    if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+                                        and temperature >= 0):
+        raise _bad("--temperature", temperature, "must be a number >= 0 (0 = greedy)")
+    if top_k is not None and not (_is_int(top_k) and top_k >= 0):
+        raise _bad("--top-k", top_k, "must be a whole number >= 0 (0 = off)")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise _bad("--top-p", top_p, "must be a number in (0, 1]")
+
+
+def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=1, seed=0,
+                         batch_size=1, device="auto") -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise _bad("--dtype", dtype, f"must be one of {', '.join(DTYPES)} (default: the model config's)")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise _bad("--quantization", quantization, f"must be one of {', '.join(QUANTIZATIONS)} (default: none)")
+    if not (_is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
+        raise _bad("--tensor-parallel-size", tensor_parallel_size, "must be a whole number >= 1")
+    if not (_is_int(seed) and 0 <= seed < 2**63):
+        raise _bad("--seed", seed, "must be a whole number in [0, 2**63)")
+    if not (_is_int(batch_size) and batch_size >= 1):
+        raise _bad("--batch-size", batch_size, "must be a whole number >= 1")
+    check_device_name(device)
+
+
+def check_device_name(device: str) -> None:
+    if device in DEVICES or (device.startswith("cuda:") and device[5:].isdigit()):
+        return
+    hint = " (did you mean cuda?)" if device.lower() in ("gpu", "nvidia", "cuda0") else ""
+    raise _bad("--device", device, f"must be auto, cpu, cuda or cuda:N{hint}")
+
+
+def resolve_device(device: str) -> str:
+    """auto -> cuda if there is one, else cpu; cuda without a GPU is a ConfigError."""
+    check_device_name(device)
+    if device == "cpu":
+        return device
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA GPU is visible to torch {torch.__version__} "
+                          f"(CUDA build: {torch.version.cuda or 'no'}); use --device cpu or auto")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
+    return device
+
+
+# ------------------------------------------------------------------------------------- KV store
 
 
 def default_kv_store(output: str, run_id: str) -> str:
@@ -24,67 +309,101 @@ def default_kv_store(output: str, run_id: str) -> str:
 
 
 def kv_key(run_id: str, shard: int, row_id: str) -> str:
+    """The row's KV key: any row id works (row_key encodes ids that are not plain)."""
     from components.data.runs import row_key
+    from components.kvstore.base import make_key
 
     return make_key(run_id, shard, row_key(row_id))
 
 
-@lru_cache(maxsize=2)
-def load_engine(model: str, weights: str | None, device: str, dtype: str | None, seed: int = 0):
-    """One engine per process, whatever number of shards it serves."""
-    from components.engine import Engine
+def open_kv_store(url: str):
+    """open_store, with a missing optional extra or a bad URL as a ConfigError."""
+    from components.kvstore.factory import open_store
 
-    return Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed)
-
-
-def model_validators(model: str) -> tuple[Callable[[str], int], Callable[[int, int], bool], int]:
-    """(count_tokens, is_supported_size, max_prompt_tokens) for a model, without loading weights."""
-    from pathlib import Path
-
-    from components.engine.config import HunyuanImage3Config, get_config
-    from components.engine.sequence import ResolutionGroup
-    from components.engine.tokenizer import load_tokenizer
-
-    if Path(model).is_dir():
-        import json
-
-        config = HunyuanImage3Config.from_dict(json.loads((Path(model) / "config.json").read_text()))
-        tokenizer = load_tokenizer(model)
-        max_tokens = MAX_PROMPT_TOKENS["hunyuan-image-3"]
-    else:
-        config = get_config(model)
-        tokenizer = load_tokenizer(None if model == "tiny" else model)
-        max_tokens = MAX_PROMPT_TOKENS.get(model, 2048)
-    buckets = ResolutionGroup(config.image_base_size)
-    return (lambda text: len(tokenizer.encode(text)),
-            lambda w, h: buckets.index_of(w, h) is not None,
-            max_tokens)
+    try:
+        return open_store(url)
+    except ImportError as exc:
+        raise (missing_extra(exc, f"--kv-store {url}") or exc) from None
+    except ValueError as exc:
+        raise ConfigError(f"--kv-store: {exc}") from None
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+# ------------------------------------------------------------------------ step program plumbing
 
 
-def add_engine_args(p) -> None:
+class StepArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit code 2, like every config error)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def optional_int(text: str) -> int | None:
+    """An int, or None for '' / 'none' / 'auto' (orchestrators pass empty placeholders)."""
+    return None if text.strip().lower() in ("", "none", "auto", "null") else int(text)
+
+
+def optional_float(text: str) -> float | None:
+    return None if text.strip().lower() in ("", "none", "auto", "null") else float(text)
+
+
+def optional_str(text: str) -> str | None:
+    return None if text.strip().lower() in ("", "null") else text
+
+
+optional_int.__name__ = "integer"  # argparse names the type in its "invalid ... value" message
+optional_float.__name__ = "number"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Arguments the AR and DiT step programs share."""
-    p.add_argument("--output", required=True, help="output root: a directory or s3://bucket/prefix")
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--shard", type=int, required=True)
-    p.add_argument("--model", default="tiny", help="preset (tiny, hunyuan-image-3) or a checkpoint directory")
-    p.add_argument("--weights", default=None, help="safetensors directory; omitted = seeded random (dummy) weights")
-    p.add_argument("--kv-store", default=None, help="local:///dir or mooncake://host:port?metadata=...")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the model config's)")
-    p.add_argument("--seed", type=int, default=0, help="base seed for rows without their own")
+    p.add_argument("--output", "-o", required=True, help="output root: a directory or s3://bucket/prefix")
+    p.add_argument("--run-id", required=True, help="the run (the shard step created it)")
+    p.add_argument("--shard", type=int, required=True, help="shard number, 0 .. num_shards-1")
+    p.add_argument("--model", default="tiny",
+                   help="preset (tiny, hunyuan-image-3), checkpoint directory or Hugging Face repo id")
+    p.add_argument("--weights", type=optional_str, default=None,
+                   help="safetensors directory (default: the checkpoint's; presets: seeded random weights)")
+    p.add_argument("--dummy-weights", action="store_true", help="seeded random weights with the model's config")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="GPUs per model copy (default 1)")
+    p.add_argument("--quantization", type=optional_str, default=None, choices=[None, *QUANTIZATIONS],
+                   help="fp8 (default: none)")
+    p.add_argument("--kv-store", type=optional_str, default=None,
+                   help="local:///dir or mooncake://host:port?metadata=... (default: a directory beside the outputs)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", type=optional_str, default=None, help="float32 | bfloat16 (default: the model config's)")
+    p.add_argument("--seed", type=int, default=0, help="base seed for rows without their own (default 0)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks of configuration errors")
 
 
-def engine_kwargs(args) -> dict:
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kv_store = args.kv_store or None
     if kv_store and kv_store.startswith("$("):
-        raise SystemExit(f"--kv-store {kv_store!r} is an unexpanded variable: set it in the ardit-endpoints ConfigMap")
-    return {"model": args.model, "weights": args.weights, "kv_store": kv_store,
-            "device": resolve_device(args.device), "dtype": args.dtype, "seed": args.seed}
+        raise ConfigError(f"--kv-store {kv_store!r} is an unexpanded variable: set it in the ardit-endpoints "
+                          "ConfigMap")
+    return {"model": args.model, "weights": args.weights, "dummy_weights": args.dummy_weights,
+            "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
+            "kv_store": kv_store, "device": resolve_device(args.device), "dtype": args.dtype, "seed": args.seed}
+
+
+def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
+    """Run a step program's body: a ConfigError (or a missing extra) is one line and exit code 2;
+    Ctrl-C is exit code 130; anything else propagates (a traceback in the pod log, exit 1, and the
+    orchestrator retries)."""
+    try:
+        return body()
+    except ConfigError as exc:
+        if debug:
+            raise
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        extra = missing_extra(exc, prog)
+        if extra is None or debug:
+            raise
+        print(f"{prog}: error: {extra}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; committed rows are kept, run the same command again to resume",
+              file=sys.stderr)
+        return 130

@@ -1,11 +1,21 @@
-"""The `ardit` command."""
+"""The `ardit` command.
+
+Exit codes: 0 ok; 1 the work ran but some rows failed (or an unexpected error); 2 a usage or
+configuration error caught before any work (one line on stderr: what, where, how to fix; the
+traceback only with --debug or ARDIT_DEBUG=1); 130 interrupted (Ctrl-C).
+
+Nothing heavy is imported at module level (no torch, boto3, kfp): `ardit --help` stays fast.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import sys
 import uuid
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -13,35 +23,96 @@ from components.kvstore.cli import app as store_app
 from pipeline.sweep import app as sweep_app
 from pipeline.cli_orchestration import app as orchestration_app
 
-app = typer.Typer(help="ardit: batch image generation and editing with a two-stage AR + DiT model.",
-                  no_args_is_help=True, add_completion=False)
+
+class _Ardit(typer.Typer):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # the console script calls `app()`
+        sys.exit(main())
+
+
+app = _Ardit(help="ardit: batch image generation and editing with a two-stage AR + DiT model.",
+             no_args_is_help=True, add_completion=False)
 app.add_typer(store_app, name="store")
 app.add_typer(orchestration_app)  # compile, submit, run-local
 app.add_typer(sweep_app)  # sweep, report
 
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option(
+        "--debug", help="show tracebacks of errors (accepted anywhere on the command line; or ARDIT_DEBUG=1)")]
+        = False) -> None:
+    """ardit: batch image generation and editing with a two-stage AR + DiT model."""
+
+
+FROM_CONFIG = "default: the model's generation config"
 Output = Annotated[str, typer.Option("--output", "-o", help="output root: a directory or s3://bucket/prefix")]
-RunId = Annotated[Optional[str], typer.Option("--run-id", help="re-use a run id to resume it (default: new)")]
+RunId = Annotated[Optional[str], typer.Option(
+    "--run-id", help="name of the run; pass an existing one to resume it (default: a new id, printed with the "
+    "command that resumes it)")]
 Shards = Annotated[int, typer.Option("--num-shards", help="shards to split the dataset into")]
-KVStore = Annotated[Optional[str], typer.Option("--kv-store", help="mooncake://host:port?metadata=... "
-                                                "(default: a local directory beside the outputs)")]
-Model = Annotated[str, typer.Option("--model", help="tiny | hunyuan-image-3 | a checkpoint directory")]
-Weights = Annotated[Optional[str], typer.Option("--weights", help="safetensors dir (default: dummy random weights)")]
-Steps = Annotated[int, typer.Option("--steps", help="denoising steps")]
-Guidance = Annotated[float, typer.Option("--guidance", help="CFG scale (<= 1 turns CFG off)")]
-BotTask = Annotated[str, typer.Option("--bot-task", help="image | recaption | think | think_recaption")]
-Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda")]
+KVStore = Annotated[Optional[str], typer.Option(
+    "--kv-store", help="mooncake://host:port?metadata=... (see `ardit store up`); default: a local directory "
+    "beside the outputs")]
+Model = Annotated[str, typer.Option(
+    "--model", help="tiny | hunyuan-image-3 | a checkpoint directory | a Hugging Face repo id")]
+Weights = Annotated[Optional[str], typer.Option(
+    "--weights", help="safetensors directory (default: the checkpoint's; presets: seeded random weights)")]
+DummyWeights = Annotated[bool, typer.Option(
+    "--dummy-weights", help="seeded random weights with the model's config (implied for hunyuan-image-3)")]
+TP = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", help="GPUs per model copy")]
+Quantization = Annotated[Optional[str], typer.Option("--quantization", help="fp8 (default: none)")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 (default: the model config's)")]
+Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
+Steps = Annotated[Optional[int], typer.Option("--steps", help=f"denoising steps ({FROM_CONFIG})")]
+Guidance = Annotated[Optional[float], typer.Option(
+    "--guidance", help=f"CFG scale, >= 0; <= 1 turns CFG off ({FROM_CONFIG})")]
+FlowShift = Annotated[Optional[float], typer.Option("--flow-shift", help=f"scheduler shift ({FROM_CONFIG})")]
+BotTask = Annotated[Optional[str], typer.Option(
+    "--bot-task", help=f"image | recaption | think | think_recaption | auto ({FROM_CONFIG})")]
+SystemPrompt = Annotated[Optional[str], typer.Option(
+    "--system-prompt", help=f"en_vanilla | en_recaption | en_think_recaption | en_unified | none | dynamic | "
+    f"your own text ({FROM_CONFIG})")]
+MaxNewTokens = Annotated[Optional[int], typer.Option(
+    "--max-new-tokens", help=f"CoT token budget per stage ({FROM_CONFIG})")]
+Temperature = Annotated[Optional[float], typer.Option(
+    "--temperature", help=f"AR sampling temperature, 0 = greedy ({FROM_CONFIG})")]
+TopK = Annotated[Optional[int], typer.Option("--top-k", help=f"AR top-k, 0 = off ({FROM_CONFIG})")]
+TopP = Annotated[Optional[float], typer.Option("--top-p", help=f"AR nucleus sampling, (0, 1] ({FROM_CONFIG})")]
+Greedy = Annotated[bool, typer.Option("--greedy", help="greedy AR decoding (temperature 0)")]
+NoKVReuse = Annotated[bool, typer.Option(
+    "--no-kv-reuse", help="recompute the prompt K/V in the DiT step instead of taking the AR step's")]
+Seed = Annotated[int, typer.Option("--seed", help="base seed for rows without their own `seed` column")]
+Dataset = Annotated[str, typer.Argument(help="the dataset: a Parquet file, a directory of them, or "
+                                              "s3://bucket/prefix (columns: see the README)")]
+BatchSize = Annotated[int, typer.Option("--batch-size", help="rows per batched AR prefill/decode")]
 
 
-def _run(kind: str, dataset: str, output: str, run_id: str | None, num_shards: int, kv_store: str | None,
-         model: str, weights: str | None, steps: int, guidance: float, bot_task: str, device: str,
-         no_kv_reuse: bool, temperature: float, seed: int) -> None:
-    from pipeline.local import run_job
+def _resume_command(run_id: str | None) -> str:
+    """This very command line, with --run-id RUN if it had none (and without --debug)."""
+    args = [a for a in sys.argv[1:] if a != "--debug"]
+    if run_id and not any(a == "--run-id" or a.startswith("--run-id=") for a in args):
+        args += ["--run-id", run_id]
+    return shlex.join(["ardit", *args])
+
+
+def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_run_id: bool = True,
+         **options: Any) -> None:
+    from pipeline.local import run_job, run_status
 
     run_id = run_id or f"{kind}-{uuid.uuid4().hex[:8]}"
-    typer.echo(f"run {run_id}: {kind} {dataset} -> {output}/{run_id}")
-    summary = run_job(dataset, output, run_id, kind=kind, num_shards=num_shards, model=model, weights=weights,
-                      kv_store=kv_store, steps=steps, guidance=guidance, bot_task=bot_task, device=device,
-                      kv_reuse=not no_kv_reuse, temperature=temperature, seed=seed)
+    resume = _resume_command(run_id if resume_adds_run_id else None)
+
+    def started() -> None:  # after every check passed, before any work
+        typer.echo(f"run {run_id}: {kind} {dataset} -> {output.rstrip('/')}/{run_id}")
+        typer.echo(f"resume with: {resume}")
+
+    try:
+        summary = run_job(dataset, output, run_id, kind=kind, on_start=started, **options)
+    except KeyboardInterrupt:
+        st = run_status(output, run_id)
+        done = (f"committed {len(st['committed'])} of {st['num_shards']} shard(s), plus {st['rows_recorded']} "
+                f"row(s) of the others" if st["sharded"] else "nothing was committed")
+        typer.echo(f"interrupted: {done}; resume with: {resume}", err=True)
+        raise typer.Exit(130) from None
     _print_summary(summary, output, run_id)
     if summary.get("rows_failed"):
         raise typer.Exit(1)
@@ -52,7 +123,8 @@ def _print_summary(summary: dict, output: str, run_id: str) -> None:
     from rich.table import Table
 
     table = Table(title=f"run {run_id}", show_header=False)
-    keys = ("rows_total", "rows_ok", "rows_failed", "images_per_minute", "kv_paths", "time_split_s", "wall_s")
+    keys = ("rows_total", "rows_ok", "rows_failed", "images_per_minute", "kv_paths", "kv_wait_fraction",
+            "time_split_s", "wall_s")
     for key in keys:
         if key in summary:
             value = summary[key]
@@ -61,58 +133,109 @@ def _print_summary(summary: dict, output: str, run_id: str) -> None:
     typer.echo(f"images and rows.parquet under {output.rstrip('/')}/{run_id}/shards/*/")
 
 
-@app.command()
-def edit(dataset: Annotated[str, typer.Argument(help="edit dataset: Parquet file/dir or s3://")],
-         output: Output = "outputs", run_id: RunId = None, num_shards: Shards = 2, kv_store: KVStore = None,
-         model: Model = "tiny", weights: Weights = None, steps: Steps = 20, guidance: Guidance = 5.0,
-         bot_task: BotTask = "think_recaption", device: Device = "auto",
-         no_kv_reuse: Annotated[bool, typer.Option("--no-kv-reuse")] = False,
-         temperature: Annotated[float, typer.Option("--temperature", help="AR sampling; 0 = greedy")] = 0.0,
-         seed: Annotated[int, typer.Option("--seed")] = 0) -> None:
-    """Edit images: instruction + image per row -> edited image per row (shard -> AR -> DiT -> summary)."""
-    _run("edit", dataset, output, run_id, num_shards, kv_store, model, weights, steps, guidance, bot_task, device,
-         no_kv_reuse, temperature, seed)
+def _job_command(kind: str):
+    def command(
+        dataset: Dataset,
+        output: Output = "outputs", run_id: RunId = None, num_shards: Shards = 2, kv_store: KVStore = None,
+        model: Model = "tiny", weights: Weights = None, dummy_weights: DummyWeights = False,
+        tensor_parallel_size: TP = 1, quantization: Quantization = None, dtype: Dtype = None,
+        device: Device = "auto", steps: Steps = None, guidance: Guidance = None, flow_shift: FlowShift = None,
+        bot_task: BotTask = None, system_prompt: SystemPrompt = None, max_new_tokens: MaxNewTokens = None,
+        temperature: Temperature = None, top_k: TopK = None, top_p: TopP = None, greedy: Greedy = False,
+        no_kv_reuse: NoKVReuse = False, seed: Seed = 0, batch_size: BatchSize = 8,
+    ) -> None:
+        _run(kind, dataset, output, run_id, num_shards=num_shards, kv_store=kv_store, model=model, weights=weights,
+             dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+             dtype=dtype, device=device, steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
+             system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+             top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=batch_size)
+
+    return command
 
 
-@app.command()
-def generate(dataset: Annotated[str, typer.Argument(help="generation dataset: Parquet file/dir or s3://")],
-             output: Output = "outputs", run_id: RunId = None, num_shards: Shards = 2, kv_store: KVStore = None,
-             model: Model = "tiny", weights: Weights = None, steps: Steps = 20, guidance: Guidance = 5.0,
-             bot_task: BotTask = "think_recaption", device: Device = "auto",
-             no_kv_reuse: Annotated[bool, typer.Option("--no-kv-reuse")] = False,
-             temperature: Annotated[float, typer.Option("--temperature")] = 0.0,
-             seed: Annotated[int, typer.Option("--seed")] = 0) -> None:
-    """Generate images: prompt per row -> image per row."""
-    _run("generate", dataset, output, run_id, num_shards, kv_store, model, weights, steps, guidance, bot_task,
-         device, no_kv_reuse, temperature, seed)
+app.command("edit", help="Edit images: instruction + image per row -> edited image per row "
+                         "(shard -> AR -> DiT -> summary, on this machine).")(_job_command("edit"))
+app.command("generate", help="Generate images: prompt per row -> image per row "
+                             "(shard -> AR -> DiT -> summary, on this machine).")(_job_command("generate"))
 
 
 @app.command("sample-data")
-def sample_data(path: Annotated[str, typer.Argument(help="where to write the Parquet file")] = "sample_edit.parquet",
+def sample_data(path: Annotated[str, typer.Argument(help="where to write the Parquet file (or s3://...)")]
+                = "sample_edit.parquet",
                 kind: Annotated[str, typer.Option("--kind", help="edit | generate")] = "edit",
-                rows: Annotated[int, typer.Option("--rows", "-n")] = 8) -> None:
+                rows: Annotated[int, typer.Option("--rows", "-n", help="number of rows")] = 8) -> None:
     """Write a small dataset of synthetic images and instructions (nothing downloaded)."""
     from components.data.sample import write_sample_edit_dataset, write_sample_generate_dataset
+    from components.errors import ConfigError
 
+    if kind not in ("edit", "generate"):
+        raise ConfigError(f"--kind {kind!r}: must be edit or generate")
+    if rows < 1:
+        raise ConfigError(f"--rows {rows}: must be >= 1")
     written = (write_sample_edit_dataset if kind == "edit" else write_sample_generate_dataset)(path, n=rows)
     typer.echo(f"wrote {rows} {kind} rows to {written}")
 
 
 @app.command()
-def demo(output: Output = "demo", steps: Steps = 12) -> None:
+def demo(output: Output = "demo", steps: Steps = None) -> None:
     """Generate a few images and edits with the tiny model on CPU (random weights: noise-like images)."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     sample_data(str(out / "edit.parquet"), "edit", 3)
     sample_data(str(out / "generate.parquet"), "generate", 3)
     for kind in ("edit", "generate"):
-        _run(kind, str(out / f"{kind}.parquet"), str(out / "runs"), f"demo-{kind}", 1, None, "tiny", None, steps,
-             5.0, "think_recaption", "cpu", False, 0.0, 0)
+        _run(kind, str(out / f"{kind}.parquet"), str(out / "runs"), f"demo-{kind}", resume_adds_run_id=False,
+             num_shards=1, model="tiny", steps=steps, device="cpu")
 
 
-def main() -> None:
-    app()
+# ------------------------------------------------------------------------------- error handling
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (see the module docstring)."""
+    import typer._click.exceptions as click_errors  # typer's click (it vendors one)
+    from typer.main import get_command
+
+    from components.errors import ConfigError, missing_extra
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("ARDIT_DEBUG", "") not in ("", "0")
+    args = [a for a in args if a != "--debug"]
+    command = get_command(app)
+    try:
+        rv = command.main(args=args, prog_name="ardit", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except click_errors.NoArgsIsHelpError:  # `ardit` alone: the help was printed
+        return 0
+    except click_errors.ClickException as exc:  # bad option, missing argument, unknown command
+        where = exc.ctx.command_path if getattr(exc, "ctx", None) else "ardit"
+        print(f"{where}: error: {_one_line(exc.format_message())} (see {where} --help)", file=sys.stderr)
+        return exc.exit_code
+    except ConfigError as exc:
+        if debug:
+            raise
+        print(f"ardit: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        extra = missing_extra(exc, "this command")
+        if extra is None or debug:
+            raise
+        print(f"ardit: error: {extra}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, typer.Abort):
+        print("ardit: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line; the traceback with --debug
+        if debug:
+            raise
+        print(f"ardit: error: {type(exc).__name__}: {_one_line(exc)} (run again with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,6 +26,11 @@ class Engine(str, Enum):
     all = "all"
 
 
+class SubmitEngine(str, Enum):  # a run goes to one engine: no "all" here
+    kfp = "kfp"
+    argo = "argo"
+
+
 def _settings(path: Path | None, images: Path | None = None, need_images: bool = False) -> Any:
     """ClusterSettings from ``--settings``, image names resolved through ``--images``.
 
@@ -60,7 +65,8 @@ TokenOpt = Annotated[str | None, typer.Option(envvar="ARDIT_SUBMIT_TOKEN", help=
 
 @app.command("compile")
 def compile_cmd(
-    out: Annotated[Path, typer.Option(help="output folder: writes OUT/kfp/<pipeline>.yaml, OUT/argo/<name>.yaml")],
+    out: Annotated[Path, typer.Option("--output", "-o", "--out",
+                                      help="output folder: writes OUT/kfp/<pipeline>.yaml, OUT/argo/<name>.yaml")],
     engine: Annotated[Engine, typer.Option(help="which engine's files to write")] = Engine.all,
     settings: SettingsOpt = None,
     images: ImagesOpt = None,
@@ -180,7 +186,7 @@ def _submit_kfp(pipeline: str, params: dict[str, str], host: str, token: str | N
 
 @app.command("submit")
 def submit_cmd(
-    engine: Annotated[Engine, typer.Option(help="kfp or argo")],
+    engine: Annotated[SubmitEngine, typer.Option(help="kfp or argo")],
     host: Annotated[str, typer.Option(help="KFP API (e.g. http://ml-pipeline-ui.kubeflow) or Argo server "
                                            "(e.g. https://argo-server.argo:2746) URL")],
     pipeline: Annotated[str, typer.Option(help="batch_edit, generate_dataset or accuracy_sweep")] = "batch_edit",
@@ -200,18 +206,16 @@ def submit_cmd(
         # Each run gets its own id unless the caller resumes one by passing it again.
         params.setdefault("run_id", time.strftime("ardit-%Y%m%d-%H%M%S", time.gmtime()))
     check_params(pipeline, params)
-    if engine == Engine.kfp:
+    if engine == SubmitEngine.kfp:
         name = _submit_kfp(pipeline, params, host, token, namespace, experiment,
                            _settings(settings, images, need_images=True))
-    elif engine == Engine.argo:
+    else:
         from pipeline.argo import SubmitError, submit
 
         try:
             name = submit(pipeline, params, host=host, namespace=namespace, token=token, verify_ssl=not insecure)
         except SubmitError as e:
             raise SystemExit(f"error: {e}") from e
-    else:
-        raise typer.BadParameter("choose kfp or argo", param_hint="--engine")
     typer.echo(json.dumps({"engine": engine.value, "pipeline": pipeline,
                            "run_id": params.get("run_id") or params.get("sweep_id"), "name": name}))
 
@@ -287,16 +291,18 @@ def schedule_cmd(
 
 @app.command("run-local")
 def run_local_cmd(
-    output: Annotated[Path, typer.Option(help="output folder")] = Path("ardit-local"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="output folder")] = Path("ardit-local"),
     dataset: Annotated[str | None, typer.Option(
         help="edit dataset; default: a small sample written into the output folder")] = None,
     run_id: Annotated[str | None, typer.Option(help="default: local-<UTC time>; pass again to resume")] = None,
-    num_shards: int = 2,
-    model: str = "tiny",
-    weights: str | None = None,
+    num_shards: Annotated[int, typer.Option(help="shards to split the dataset into")] = 2,
+    model: Annotated[str, typer.Option(help="tiny | hunyuan-image-3 | a checkpoint directory")] = "tiny",
+    weights: Annotated[str | None, typer.Option(help="safetensors directory (default: seeded random)")] = None,
     kv_store: Annotated[str | None, typer.Option(help="default: local://OUTPUT/_kv")] = None,
-    steps: int = 4,
-    guidance: float = 5.0,
+    steps: Annotated[int | None, typer.Option(help="denoising steps (default: the model's generation config)")]
+    = None,
+    guidance: Annotated[float | None, typer.Option(help="CFG scale (default: the model's generation config)")]
+    = None,
 ) -> None:
     """Run the batch_edit pipeline on this machine through kfp.local (no cluster, no Docker)."""
     from pipeline.kfp_local import run_local

@@ -12,14 +12,17 @@ subprocess. kfp.local limits that shape this file (see the platform notes):
 
 # no `from __future__ import annotations`: kfp reads the component signatures as real types
 
+import contextlib
 import functools
+import io
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 def _build() -> tuple[Callable, Callable]:
@@ -101,15 +104,45 @@ def _build() -> tuple[Callable, Callable]:
     return batch_edit_local, summary_step
 
 
+class _TaskLog(io.TextIOBase):
+    """kfp.local prints every task's output and colored status lines to stdout: keep all of it
+    in a log file, and show only one plain line per finished task on stderr."""
+
+    _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+    def __init__(self, path: Path, echo: Any):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", encoding="utf-8")
+        self.echo = echo  # the real stdout (this object stands in for it while kfp runs)
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        for line in self._ANSI.sub("", text).splitlines():
+            if "Task " in line and " finished with status " in line:  # "HH:MM:SS.mmm - INFO - Task ..."
+                print("run-local: " + line.split(" - ", 2)[-1].strip(), file=self.echo, flush=True)
+        return len(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+
 def run_local(output: str, dataset: str | None = None, run_id: str | None = None, num_shards: int = 2,
-              model: str = "tiny", kv_store: str | None = None, weights: str | None = None, steps: int = 4,
-              guidance: float = 5.0, sample_rows: int = 4) -> dict[str, Any]:
+              model: str = "tiny", kv_store: str | None = None, weights: str | None = None,
+              steps: Optional[int] = None, guidance: Optional[float] = None, sample_rows: int = 4) -> dict[str, Any]:
     """Run batch_edit through kfp.local; without ``dataset`` a small sample edit dataset is written first.
 
     Returns ``{"run_id", "output", "dataset", "summary"}`` (summary: the run's summary.json).
     """
     from kfp import local
 
+    from components.steps import generation_defaults
+
+    defaults = generation_defaults(model)  # None: the model's generation config, as `ardit edit`
+    steps = defaults["steps"] if steps is None else steps
+    guidance = defaults["guidance"] if guidance is None else guidance
     out = Path(output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if dataset is None:
@@ -121,11 +154,15 @@ def run_local(output: str, dataset: str | None = None, run_id: str | None = None
     # kfp.local swaps "python3" for this interpreter, but make sure children that look up python on
     # PATH also get it (this venv has kfp, so each task's pip install stays offline).
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    # workspace_root: kfp.local would otherwise leave a /tmp/kfp-workspace-* directory per call
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(out / "_kfp_local"),
-               raise_on_error=True)
+               workspace_root=str(out / "_kfp_local" / "workspace"), raise_on_error=True)
     pipeline, summary_step = _build()
-    pipeline(dataset=dataset, output=str(out), run_id=run_id, num_shards=num_shards, model=model,
-             kv_store=kv_store, weights=weights or "", steps=steps, guidance=guidance)
-    summary_step(output=str(out), run_id=run_id)
+    log_path = out / "_kfp_local" / f"{run_id}.log"
+    print(f"run-local: task logs in {log_path}", flush=True)
+    with _TaskLog(log_path, sys.stdout) as log, contextlib.redirect_stdout(log):
+        pipeline(dataset=dataset, output=str(out), run_id=run_id, num_shards=num_shards, model=model,
+                 kv_store=kv_store, weights=weights or "", steps=steps, guidance=guidance)
+        summary_step(output=str(out), run_id=run_id)
     summary = json.loads((out / run_id / "summary.json").read_text())
     return {"run_id": run_id, "output": str(out), "dataset": dataset, "summary": summary}

@@ -1,4 +1,4 @@
-"""One-machine runs: shard -> (AR -> DiT) per shard -> summary, in this process.
+"""One-machine runs: checks -> shard -> (AR -> DiT) per shard -> summary, in this process.
 
 The same step functions the containers run (`components.*.run`), called in order with one engine
 loaded once. `ardit edit` / `ardit generate` and the accuracy sweeps use it.
@@ -7,43 +7,86 @@ loaded once. `ardit edit` / `ardit generate` and the accuracy sweeps use it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
-
-from components.steps import model_validators, resolve_device
 
 
 def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_shards: int = 1,
-            model: str = "tiny", weights: str | None = None, kv_store: str | None = None, steps: int = 20,
-            guidance: float = 5.0, flow_shift: float = 3.0, seed: int = 0, kv_reuse: bool = True,
-            dtype: str | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-            bot_task: str = "think_recaption", system_prompt: str = "en_unified", batch_size: int = 8,
-            max_new_tokens: int = 48, device: str = "auto", save_latents: bool = False,
-            ar_from_run: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run a whole batch job; returns summary.json's content. Re-running a run id resumes it."""
+            model: str = "tiny", weights: str | None = None, dummy_weights: bool = False,
+            tensor_parallel_size: int = 1, quantization: str | None = None, kv_store: str | None = None,
+            steps: int | None = None, guidance: float | None = None, flow_shift: float | None = None, seed: int = 0,
+            kv_reuse: bool = True, dtype: str | None = None, temperature: float | None = None,
+            top_k: int | None = None, top_p: float | None = None, greedy: bool = False, bot_task: str | None = None,
+            system_prompt: str | None = None, batch_size: int = 8, max_new_tokens: int | None = None,
+            device: str = "auto", save_latents: bool = False, ar_from_run: str | None = None,
+            progress: bool | str = "auto", on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run a whole batch job; returns summary.json's content. Re-running a run id resumes it.
+
+    Generation settings left None come from the model's generation config. Everything the job
+    depends on is checked before any work (ConfigError, one line); resuming a run with other
+    settings is refused (SettingsConflictError, a ConfigError). `on_start` is called once the
+    checks passed, before any work."""
     from components.ar.run import run as run_ar
     from components.dit.run import run as run_dit
+    from components.preflight import check_job
+    from components.progress import make_progress
     from components.shard.run import run as run_shard
     from components.summary.run import run as run_summary
 
-    device = resolve_device(device)
-    count_tokens, is_supported_size, max_prompt_tokens = model_validators(model)
+    generation = dict(steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
+                      system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                      top_k=top_k, top_p=top_p)
+    plan = check_job(dataset=dataset, output=output, run_id=run_id, kind=kind, num_shards=num_shards, model=model,
+                     weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
+                     quantization=quantization, kv_store=kv_store, kv_reuse=kv_reuse, device=device, dtype=dtype,
+                     seed=seed, batch_size=batch_size, generation=generation, greedy=greedy,
+                     ar_from_run=ar_from_run)
+    if on_start is not None:
+        on_start()
+    gen, layout = plan["generation"], plan["layout"]
+    count_tokens, is_supported_size, max_prompt_tokens = plan["validators"]
     t0 = time.perf_counter()
     manifest = run_shard(dataset, output, run_id, num_shards, kind, count_tokens=count_tokens,
                          is_supported_size=is_supported_size, max_prompt_tokens=max_prompt_tokens)
+    layout.remember_settings("ar", plan["settings"]["ar"])
+    layout.remember_settings("dit", plan["settings"]["dit"])
     if ar_from_run:
         _copy_ar_outputs(output, ar_from_run, run_id, manifest["num_shards"])
-    engine = dict(model=model, weights=weights, kv_store=kv_store, device=device, dtype=dtype, seed=seed)
-    with _progress(progress) as bars:
-        for shard in range(manifest["num_shards"]):
+    engine = dict(model=model, weights=weights, dummy_weights=dummy_weights,
+                  tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_store=kv_store,
+                  device=plan["device"], dtype=dtype, seed=seed)
+    todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
+    with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2)) as bars:
+        for shard in todo:
             if not ar_from_run:
-                run_ar(output, run_id, shard, batch_size=batch_size, bot_task=bot_task, system_prompt=system_prompt,
-                       max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       export_kv=kv_reuse, progress=bars, **engine)
-            run_dit(output, run_id, shard, steps=steps, guidance=guidance, flow_shift=flow_shift, kv_reuse=kv_reuse,
-                    save_latents=save_latents, progress=bars, **engine)
+                run_ar(output, run_id, shard, batch_size=batch_size, export_kv=kv_reuse, progress=bars,
+                       **{k: gen[k] for k in ("bot_task", "system_prompt", "max_new_tokens", "temperature",
+                                              "top_k", "top_p")}, **engine)
+            run_dit(output, run_id, shard, steps=gen["steps"], guidance=gen["guidance"],
+                    flow_shift=gen["flow_shift"], kv_reuse=kv_reuse, save_latents=save_latents, progress=bars,
+                    **engine)
     summary = run_summary(output, run_id)
-    summary.setdefault("wall_s", time.perf_counter() - t0)
+    summary.setdefault("wall_s", round(time.perf_counter() - t0, 3))
     return summary
+
+
+def run_status(output: str, run_id: str) -> dict[str, Any]:
+    """What a run has committed so far (for an interrupted job's message): shards committed,
+    and rows recorded in the shards that are not."""
+    from components.data.runs import RunLayout
+
+    layout = RunLayout.open(output, run_id)
+    manifest = layout.read_json(layout.manifest_key)
+    if manifest is None:
+        return {"sharded": False, "num_shards": 0, "committed": [], "rows_recorded": 0, "rows_total": 0}
+    committed, recorded = [], 0
+    for k in range(manifest["num_shards"]):
+        if layout.is_committed(k):
+            committed.append(k)
+        else:
+            recorded += len(layout.completed_rows(k))
+    return {"sharded": True, "num_shards": manifest["num_shards"], "committed": committed,
+            "rows_recorded": recorded, "rows_total": manifest["num_rows"]}
 
 
 def _copy_ar_outputs(output: str, source_run: str, run_id: str, num_shards: int) -> None:
@@ -61,25 +104,3 @@ def _copy_ar_outputs(output: str, source_run: str, run_id: str, num_shards: int)
             if r["status"] == "ok":
                 r["kv_key"], r["kv_error"] = None, f"AR outputs taken from run {source_run}"
         dst.write_table(dst.ar_key(shard), pa.Table.from_pylist(rows, schema=table.schema))
-
-
-class _progress:
-    """A rich progress display (or nothing) that the steps add their bars to."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bars = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                             TimeElapsedColumn(), transient=False)
-        self.bars.__enter__()
-        return self.bars
-
-    def __exit__(self, *exc) -> None:
-        if self.bars is not None:
-            self.bars.__exit__(*exc)

@@ -11,17 +11,15 @@ Small on purpose (2-core CI box): tiny model, 2-4 rows per shard, 3 denoising st
 
 from __future__ import annotations
 
-import http.client
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -30,7 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.fixtures_mooncake import mooncake_servers, mooncake_url  # noqa: F401  (pytest fixtures)
-from tests.fixtures_s3 import s3_env, s3_prefix, seaweedfs  # noqa: F401  (pytest fixtures)
+from tests.fixtures_s3 import FlakyS3Proxy, s3_env, s3_prefix, seaweedfs  # noqa: F401  (pytest fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["--steps", "3"]
@@ -353,117 +351,6 @@ def test_bad_rows_become_error_rows_and_the_rest_run(tmp_path):
 # --------------------------------------------------------------------- 4. S3 faults in a job
 
 
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-               "expect", "content-length"}
-
-
-class FlakyS3Proxy:
-    """A loopback reverse proxy in front of an S3 server that answers some requests with 503.
-
-    Requests are forwarded unchanged (method, path, query, headers including Host, body), so
-    SigV4 signatures made for the proxy's address still verify upstream. Every `every`-th
-    request of a method in `methods` gets a 503 SlowDown instead, until `max_faults` were sent.
-    """
-
-    def __init__(self, upstream: str, methods=("PUT", "GET", "HEAD"), every: int = 3, max_faults: int = 40,
-                 always=None):
-        u = urlparse(upstream)
-        self.upstream = (u.hostname, u.port)
-        self.methods, self.every, self.max_faults = set(methods), every, max_faults
-        self.always = always  # (method, path) -> True: a permanent outage for those requests
-        self.seen: dict[str, int] = {}
-        self.injected: dict[str, int] = {}
-        self.forwarded = 0
-        self._lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):  # quiet
-                pass
-
-            def _body(self) -> bytes | None:
-                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                    data = b""
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return data
-                        data += self.rfile.read(size)
-                        self.rfile.readline()
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else (b"" if "Content-Length" in self.headers else None)
-
-            def _handle(self) -> None:
-                body = self._body()
-                if proxy._fault(self.command, self.path):
-                    err = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-                           b"<Message>Please reduce your request rate (injected by the test proxy).</Message>"
-                           b"<RequestId>flaky-proxy</RequestId></Error>")
-                    self.send_response_only(503, "Slow Down")
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(err)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(err)
-                    return
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
-                try:
-                    conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-                    for k, v in self.headers.items():
-                        if k.lower() not in _HOP_BY_HOP:
-                            conn.putheader(k, v)
-                    if body is not None:
-                        conn.putheader("Content-Length", str(len(body)))
-                    conn.endheaders(body)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                    self.send_response_only(resp.status, resp.reason)
-                    for k, v in resp.getheaders():
-                        if k.lower() not in _HOP_BY_HOP:
-                            self.send_header(k, v)
-                    length = resp.getheader("Content-Length") if self.command == "HEAD" else None
-                    self.send_header("Content-Length", length if length is not None else str(len(data)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(data)
-                finally:
-                    conn.close()
-                with proxy._lock:
-                    proxy.forwarded += 1
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def _fault(self, method: str, path: str) -> bool:
-        with self._lock:
-            n = self.seen[method] = self.seen.get(method, 0) + 1
-            if self.always is not None:
-                hit = self.always(method, path)
-                self.injected[method] = self.injected.get(method, 0) + hit
-                return hit
-            if method in self.methods and n % self.every == 0 and sum(self.injected.values()) < self.max_faults:
-                self.injected[method] = self.injected.get(method, 0) + 1
-                return True
-            return False
-
-    def __enter__(self) -> "FlakyS3Proxy":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join(timeout=10)
-
-
 @pytest.mark.servers
 def test_job_completes_through_transient_s3_503s(s3_env, s3_prefix, monkeypatch):
     from components.data.objectstore import open_object_store
@@ -598,3 +485,111 @@ def test_step_programs_reject_rows_over_the_model_limits(tmp_path):
     assert set(errors) == {"too-long", "no-bucket"}, (shard_input, ar)
     assert "over the budget of 256" in errors["too-long"]
     assert "64x64" in errors["no-bucket"] and "not supported" in errors["no-bucket"]
+
+
+# ------------------------------------------- 5. any row id, Ctrl-C, resume, progress off a TTY
+
+ODD_IDS = ["has space", "a/b/../c", "ünïcödé ☕", "x" * 300]
+
+
+def test_odd_row_ids_ctrl_c_and_resume_through_the_cli(tmp_path):
+    """Row ids with a space, slashes, unicode and 300 characters go through a whole `ardit generate`
+    (KV keys and file names are encoded; the ids themselves are kept). The run prints its id and the
+    command that resumes it; Ctrl-C after the first shard committed stops cleanly and says what was
+    committed; that command then finishes the run. Off a TTY, progress is one log line per shard step."""
+    from components.data.datasets import write_parquet_bytes
+    from components.data.runs import row_key
+    from components.kvstore import open_store
+
+    rows = [{"id": rid, "prompt": f"a red fox, picture {n}", "seed": n, "size": "auto"}
+            for n, rid in enumerate(ODD_IDS)]
+    (tmp_path / "odd.parquet").write_bytes(write_parquet_bytes(pa.Table.from_pylist(rows)))
+    out = tmp_path / "out"
+    ardit = [sys.executable, "-m", "pipeline.cli"]
+    cmd = [*ardit, "generate", str(tmp_path / "odd.parquet"), "-o", str(out), "--num-shards", "2",
+           "--steps", "1", "--max-new-tokens", "2", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = proc.stdout.readline()  # "run RUN: generate DATASET -> OUT/RUN"
+        resume = proc.stdout.readline()  # "resume with: ardit ... --run-id RUN"
+        assert started.startswith("run generate-"), started + proc.stderr.read()
+        run_id = started.split()[1].rstrip(":")
+        assert resume.startswith("resume with: ardit generate ") and resume.strip().endswith(f"--run-id {run_id}")
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not (out / run_id / "shards" / "0" / "_COMMITTED").exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=STEP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("interrupted: committed 1 of 2 shard(s)") and resume.split(": ", 1)[1].strip() in last
+
+    resumed = subprocess.run([*ardit, *shlex.split(resume.split(": ", 1)[1])[1:]], cwd=ROOT, capture_output=True,
+                             text=True, timeout=STEP_TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    lines = resumed.stderr.splitlines()
+    dit_line = [ln for ln in lines if "DiT shard 1: 2/2 rows in" in ln]
+    assert len(dit_line) == 1 and "rows/s" in dit_line[0] and "job: 2/2 shard steps, ETA" in dit_line[0], lines
+    # its AR step either ran now or had finished before the interrupt; either way one line says so
+    assert len([ln for ln in lines if "AR  shard 1: 2/2 rows in" in ln or "AR  shard 1: skipped" in ln]) == 1
+    assert "\x1b[" not in resumed.stderr  # no terminal control codes in a log
+
+    summary = json.loads((out / run_id / "summary.json").read_text())
+    assert (summary["rows_total"], summary["rows_ok"], summary["complete"]) == (4, 4, True), summary
+    assert "None" not in summary["kv_reasons"] and summary["kv_paths"] == {"reuse": 4}
+    assert all(s["kv_wait_fraction"] is not None for s in summary["shards"])
+    got = [r for k in (0, 1) for r in pq.read_table(out / run_id / "shards" / str(k) / "rows.parquet").to_pylist()]
+    assert [r["id"] for r in got] == ODD_IDS  # the ids themselves, unchanged, in dataset order
+    for r in got:
+        name = r["image_key"].rsplit("/", 1)[1]
+        assert name == f"{row_key(r['id'])}.png" and len(name) < 100 and (out / r["image_key"]).is_file()
+    assert open_store(f"local://{out / run_id / '_kv'}").keys() == []  # every payload consumed
+
+
+# ---------------------------------------------------- 6. a KV store restarted mid-shard
+
+@pytest.mark.servers
+def test_dit_step_survives_a_mooncake_master_restart(tmp_path, monkeypatch):
+    """issue 13: a master restart while a DiT step ran crashed it (remove_by_regex: -900 RPC_FAIL)
+    after the row was committed. Now the consumed payloads' deletes are retried and then left to
+    the TTL, rows whose KV went with the master recompute and say why, and the shard commits."""
+    from components.ar.run import run as run_ar
+    from components.data.sample import write_sample_generate_dataset
+    from components.dit.run import run as run_dit
+    from components.shard.run import run as run_shard
+    from components.steps import load_engine
+    from tests.fixtures_mooncake import start_servers
+
+    srv = start_servers(tmp_path / "mc", segment="128MB")
+    try:
+        url = srv.url + "&timeout=10&connect_timeout=2"
+        dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=3, seed=8)
+        output, run_id = str(tmp_path / "out"), "restart"
+        run_shard(dataset, output, run_id, 1, "generate")
+        run_ar(output, run_id, 0, kv_store=url, max_new_tokens=2, device="cpu")
+        engine = load_engine("tiny", None, "cpu", None, 0)
+        real = type(engine.dit).__call__
+        done = []
+
+        def restart_master_after_first_row(self, request):
+            out = real(self, request)
+            done.append(request.ar.id)
+            if len(done) == 1:
+                srv.restart("master")  # every key is gone; the client's connection is stale
+            return out
+
+        monkeypatch.setattr(type(engine.dit), "__call__", restart_master_after_first_row)
+        result = run_dit(output, run_id, 0, kv_store=url, steps=1, device="cpu")
+        assert result["ok"] == 3 and result["failed"] == 0, result
+        rows = pq.read_table(tmp_path / "out" / run_id / "shards" / "0" / "rows.parquet").to_pylist()
+        assert rows[0]["kv_path"] == "reuse"
+        assert rows[2]["kv_path"] == "recompute" and rows[2]["kv_reason"].startswith("KV "), rows[2]
+    finally:
+        srv.stop()

@@ -202,10 +202,11 @@ def test_run_cleanup_leaves_no_keys_and_spares_other_runs(store, run):
         False,
         True,
     ]
-    assert len(store.keys(run)) == 6
+    assert len(store.keys(run + "/")) == 6
     assert store.delete(f"{run}/0/0")  # what the DiT does after committing an image
     assert store.delete_prefix(run) == 5  # run-level cleanup
-    assert ours(store, run + "/") == [] and store.keys(run) == []
+    assert ours(store, run + "/") == [] and store.keys(run + "/") == []
+    assert store.keys(run) == [f"{other}/0/0"]  # keys() matches any string prefix
     assert store.keys(other) == [f"{other}/0/0"]
     store.delete_prefix(other)
     assert ours(store, other) == []

@@ -35,7 +35,7 @@ def small_servers(tmp_path):
 def test_full_store_fails_the_put_and_evicts_nothing(small_servers):
     """Hard-pinned payloads are never evicted: when full, the put fails loudly, earlier
     payloads stay readable, and deleting consumed ones makes room again."""
-    s = open_store(small_servers.url + "&part=4MB")
+    s = open_store(small_servers.url + "&part=4MB&pin=hard")
     kv = make_kv(
         torch.bfloat16, layers=8, tokens=1024, heads=4, head_dim=64
     )  # 8 MiB of tensors
@@ -92,6 +92,10 @@ def test_cli_up_status_down_from_another_process(tmp_path):
             cwd=ROOT, check=False, capture_output=True, text=True, timeout=timeout,
         )
 
+    def cli_url(*args: str) -> subprocess.CompletedProcess:  # keys / clean take no --state-dir
+        return subprocess.run([sys.executable, "-c", "from components.kvstore.cli import app; app()", *args],
+                              cwd=ROOT, check=False, capture_output=True, text=True, timeout=60)
+
     ports_args = ["--master-port", str(ports[0]), "--metadata-port", str(ports[1]),
                   "--admin-port", str(ports[2]), "--holder-port", str(ports[3])]
     up = cli("up", "--segment", "64MB", *ports_args, timeout=120)
@@ -106,10 +110,16 @@ def test_cli_up_status_down_from_another_process(tmp_path):
         )
         st = cli("status")
         assert st.returncode == 0 and json.loads(st.stdout)["running"], st.stdout
+        for name, pid in pids.items():  # nothing listens beyond loopback, the segment holder included
+            assert listening(pid) and all(a in LOOPBACK for a, _ in listening(pid)), (name, listening(pid))
         with open_store(url) as s:  # the servers work
             s.put("cli/0/0", make_kv())
             assert s.get("cli/0/0").ok
-            assert s.delete_prefix("cli") == 1
+        keys = cli_url("keys", url, "--prefix", "cl")  # any prefix, not only whole path segments
+        assert (keys.returncode, keys.stdout, keys.stderr) == (0, "cli/0/0\n", ""), keys
+        clean = cli_url("clean", url, "--run", "cli")
+        assert (clean.returncode, clean.stderr) == (0, ""), clean  # no Mooncake log lines
+        assert "deleted 1 payload(s)" in clean.stdout
         again = cli("up")
         assert again.returncode != 0 and "already running" in (
             again.stderr + again.stdout
@@ -123,6 +133,54 @@ def test_cli_up_status_down_from_another_process(tmp_path):
     assert pids and not any(_alive(p) for p in pids.values())
     assert not (state / "servers.json").exists()
     assert cli("status").returncode == 1
+
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets process `pid` listens on, from /proc."""
+    import socket
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr_hex, port_hex = f[1].split(":")
+            raw = bytes.fromhex(addr_hex)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((socket.inet_ntop(family, raw), int(port_hex, 16)))
+    return found
+
+
+def test_payloads_are_a_lease_and_old_ones_expire(small_servers):
+    """Soft pin with a TTL instead of a hard pin forever: the AR step's housekeeping deletes the
+    payloads a failed run left behind once they are older than the TTL, and only those."""
+    from components.ar.run import _BackgroundPuts
+
+    s = open_store(small_servers.url + "&pin_ttl=1s")
+    kv = make_kv()
+    s.put("orphan/0/0", kv)
+    assert s.ttl_s == 1.0 and not s._rcfg.with_hard_pin and s._rcfg.soft_pin_ttl_ms == 1000
+    time.sleep(1.5)
+    s.put("fresh/0/0", kv)
+    puts = _BackgroundPuts(s)
+    puts.expire_orphans()
+    puts.pool.shutdown(wait=True)
+    assert s.keys() == ["fresh/0/0"]
+    assert [k for k in s.raw_keys() if k.startswith("orphan")] == []  # its parts too
+    s.delete_prefix("fresh")
+    s.close()
 
 
 def test_dead_servers_give_unreachable_at_once(small_servers):

@@ -270,8 +270,12 @@ def test_mooncake_url_parsing_needs_no_server():
         c.metadata == "http://10.0.0.5:8080/metadata"
         and c.admin == "http://10.0.0.5:9003"
     )
-    assert c.segment == 0 and c.pin == "hard"
+    assert c.segment == 0 and c.pin == "soft" and c.pin_ttl == 6 * 3600  # a lease, not a pin forever
+    assert config_from_url("mooncake://h:1?pin_ttl=30m").pin_ttl == 1800
+    assert config_from_url("mooncake://h:1?pin_ttl=1500ms").pin_ttl == 1.5
     for url, msg in [
+        ("mooncake://h:1?pin_ttl=soon", "pin_ttl"),
+        ("mooncake://h:1?pin_ttl=48h", "24 h"),
         ("mooncake://h:1?colour=red", "unknown parameter"),
         ("mooncake://h:1?part=lots", "part"),
         ("mooncake://h:1?protocol=udp", "protocol"),

@@ -596,12 +596,6 @@ def test_sweep_accepts_the_wired_command_line(tmp_path):
     assert "configs" in done.stdout
 
 
-# DEPENDS ON other branches: the AR and DiT programs gain --tensor-parallel-size and --quantization
-# (CONTRACTS.md; helper B + lead). Until then argparse rejects them (SystemExit 2), which this
-# strict xfail expects; once they land the test passes, strict makes that an XPASS failure, and
-# the marker must go.
-@pytest.mark.xfail(strict=True, raises=SystemExit,
-                   reason="step programs do not take --tensor-parallel-size / --quantization yet")
 @pytest.mark.parametrize("step", ["ar", "dit"])
 def test_gpu_steps_accept_the_compiled_command_line(argo_docs, step, monkeypatch):
     """The compiled Argo args, filled in and cleaned by the launcher, parse with the real step argparse

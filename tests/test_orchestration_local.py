@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -57,5 +58,6 @@ def test_kfp_local_tasks_need_no_network(tmp_path):
     script = tmp_path / "offline_task.py"  # kfp reads a component's source, so not `python -c`
     script.write_text(_OFFLINE_TASK.format(root=str(tmp_path / "root")))
     done = subprocess.run(["unshare", "-n", sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=120, check=False,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})  # kfp.local's workspace: not /tmp
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -1,32 +1,54 @@
-"""python -m components.ar --output URI --run-id ID --shard K [--model tiny] [--kv-store URL] ..."""
+"""python -m components.ar --output URI --run-id ID --shard K [--model tiny] [--kv-store URL] ...
+
+Generation settings left out (or passed empty) come from the model's generation config.
+Exit codes: 0 ok, 2 configuration error (one line on stderr), 130 interrupted."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from components.steps import add_engine_args, engine_kwargs
+from components.steps import (
+    BOT_TASKS,
+    StepArgumentParser,
+    add_engine_args,
+    engine_kwargs,
+    optional_float,
+    optional_int,
+    optional_str,
+    step_main,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m components.ar", description=__doc__)
+    p = StepArgumentParser(prog="python -m components.ar", description=__doc__)
     add_engine_args(p)
-    p.add_argument("--batch-size", type=int, default=8, help="rows per batched prefill/decode")
-    p.add_argument("--bot-task", default="think_recaption", choices=["image", "recaption", "think", "think_recaption"])
-    p.add_argument("--system-prompt", default="en_unified")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="CoT token budget per stage")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=8, help="rows per batched prefill/decode (default 8)")
+    p.add_argument("--bot-task", type=optional_str, default=None, choices=[None, *BOT_TASKS],
+                   help="what the AR writes before the image (default: generation config)")
+    p.add_argument("--system-prompt", type=optional_str, default=None,
+                   help="en_unified, en_think_recaption, ..., none, dynamic, or the text (default: generation config)")
+    p.add_argument("--max-new-tokens", type=optional_int, default=None,
+                   help="CoT token budget per stage (default: generation config)")
+    p.add_argument("--temperature", type=optional_float, default=None, help="0 = greedy (default: generation config)")
+    p.add_argument("--top-k", type=optional_int, default=None, help="0 = off (default: generation config)")
+    p.add_argument("--top-p", type=optional_float, default=None, help="(0, 1] (default: generation config)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (temperature 0)")
     args = p.parse_args(argv)
-    from components.ar.run import run
 
-    result = run(args.output, args.run_id, args.shard, batch_size=args.batch_size, bot_task=args.bot_task,
-                 system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
-                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, **engine_kwargs(args))
-    print(json.dumps(result))
-    return 0
+    def body() -> int:
+        from components.ar.run import run
+        from components.progress import make_progress
+
+        with make_progress("auto") as progress:
+            result = run(args.output, args.run_id, args.shard, batch_size=args.batch_size, bot_task=args.bot_task,
+                         system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+                         progress=progress, **engine_kwargs(args))
+        print(json.dumps(result))
+        return 0
+
+    return step_main(p.prog, body, debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -1,133 +1,219 @@
 """AR step: one shard's rows -> CoT, ratio token and prompt KV.
 
+    check the options; remember the settings (a resumed run must bring the same ones)
     for each batch of pending rows:
         batched prefill + CoT decode + ratio token          (engine.generate_ar)
-        kv.put(run/shard/row, prompt KV)                     (the DiT step reads it)
+        kv.put(run/shard/row, prompt KV)                     in the background, while the next
+                                                             batch decodes (the DiT step reads it)
     ar.parquet: one row per pending input row (ok with the AR record, or error)
 
 Rows whose image is already committed by the DiT step are skipped (resume). ar.parquet is written
-once, atomically, at the end; a killed AR step leaves nothing the DiT step would trust.
+once, atomically, at the end; a killed AR step leaves nothing the DiT step would trust, and a
+failing one deletes the payloads it already put on its way out (what it cannot delete expires).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import pyarrow as pa
-
+from components.data.ar_outputs import read_ar_rows, write_ar_rows
 from components.data.runs import RunLayout
-from components.steps import default_kv_store, kv_key, load_engine
+from components.kvstore.base import delete_quietly
+from components.progress import NoProgress
+from components.steps import (
+    AR_SETTINGS,
+    check_engine_options,
+    default_kv_store,
+    kv_key,
+    load_engine,
+    open_kv_store,
+    resolve_generation,
+)
 
-AR_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("status", pa.string()),  # ok | error
-    ("error", pa.string()),
-    ("ar_record", pa.string()),  # AROutput.to_record() as JSON
-    ("kv_key", pa.string()),
-    ("kv_bytes", pa.int64()),
-    ("kv_put_s", pa.float64()),
-    ("kv_error", pa.string()),
-    ("ar_prefill_s", pa.float64()),
-    ("ar_decode_s", pa.float64()),
-    ("prompt_tokens", pa.int64()),
-    ("generated_tokens", pa.int64()),
-])
+
+def ar_settings(model: str, weights: str | None, dummy_weights: bool, dtype: str | None, quantization: str | None,
+                seed: int, generation: dict[str, Any]) -> dict[str, Any]:
+    """What the AR step computes with (a run remembers it; device and TP size are not part)."""
+    return {"model": model, "weights": weights, "dummy_weights": dummy_weights, "dtype": dtype,
+            "quantization": quantization, "seed": seed, **{k: generation[k] for k in AR_SETTINGS}}
 
 
 def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: str | None = None,
-        kv_store: str | None = None, batch_size: int = 8, bot_task: str = "think_recaption",
-        system_prompt: str = "en_unified", max_new_tokens: int = 48, temperature: float = 0.0,
-        top_k: int = 0, top_p: float = 1.0, seed: int = 0, device: str = "cpu", dtype: str | None = None,
-        export_kv: bool = True, progress: Any = None) -> dict[str, Any]:
+        dummy_weights: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
+        kv_store: str | None = None, batch_size: int = 8, bot_task: str | None = None,
+        system_prompt: str | None = None, max_new_tokens: int | None = None, temperature: float | None = None,
+        top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int = 0,
+        device: str = "cpu", dtype: str | None = None, export_kv: bool = True, progress: Any = None,
+        parallel: Any = None) -> dict[str, Any]:
+    """Run the AR step of one shard. Generation settings left None come from the model's
+    generation config. Raises ConfigError (before any work) for a bad option or settings that
+    differ from those the run started with. `parallel`: this rank's ParallelContext under the
+    tensor-parallel launcher (components.ranks), None in one process."""
     from components.engine import ARRequest, SamplingParams
-    from components.kvstore import open_store
 
+    check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+                         seed=seed, batch_size=batch_size, device=device)
+    gen = resolve_generation(model, greedy=greedy, bot_task=bot_task, system_prompt=system_prompt,
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     layout = RunLayout.open(output, run_id)
+    layout.remember_settings("ar", ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
+    progress = progress or NoProgress()
+    pending, skipped = [], None
     if layout.is_committed(shard):
-        return {"shard": shard, "skipped": "committed"}
-    pending = layout.shard_writer(shard).pending()
-    existing = _existing_ids(layout, shard)
-    if pending and {j.id for j in pending} <= existing:
-        return {"shard": shard, "skipped": "ar.parquet covers all pending rows"}
+        skipped = "committed"
+    else:
+        pending = layout.shard_writer(shard).pending()
+        if pending and {j.id for j in pending} <= set(read_ar_rows(layout, shard)):
+            skipped = "ar.parquet covers all pending rows"
+    if skipped:
+        progress.skip(f"AR  shard {shard}", skipped)
+        return {"shard": shard, "skipped": skipped}
 
-    engine = load_engine(model, weights, device, dtype)
-    store = open_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
+    engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
+                         parallel)
+    store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
+    sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
+                              max_new_tokens=gen["max_new_tokens"])
+    task = progress.add_task(f"AR  shard {shard}", len(pending))
     rows: list[dict[str, Any]] = []
-    task = progress.add_task(f"AR  shard {shard}", total=len(pending)) if progress else None
-    for start in range(0, len(pending), batch_size):
-        batch = pending[start:start + batch_size]
-        requests = []
-        for job in batch:
-            try:
-                requests.append(ARRequest(job.id, job.text or "", job.pil_images(), job.size_wh() or "auto",
-                                          bot_task, system_prompt, job.effective_seed(seed)))
-            except Exception as e:  # noqa: BLE001 - one bad row must not sink the shard
-                rows.append(_error_row(job.id, f"AR input: {e}"))
-        for request, result in zip(requests, _generate(engine, requests, sampling)):
-            if isinstance(result, Exception):
-                rows.append(_error_row(request.id, f"AR failed: {type(result).__name__}: {result}"))
-                continue
-            rows.append(_ok_row(result, store, run_id, shard, len(requests)))
-        if progress:
+    puts = _BackgroundPuts(store)
+    puts.expire_orphans()
+    try:
+        for start in range(0, len(pending), batch_size):
+            batch = pending[start:start + batch_size]
+            requests = []
+            for job in batch:
+                try:
+                    requests.append(ARRequest(job.id, job.text or "", job.pil_images(), job.size_wh() or "auto",
+                                              gen["bot_task"], gen["system_prompt"], job.effective_seed(seed)))
+                except Exception as e:  # noqa: BLE001 - one bad row must not sink the shard
+                    rows.append(_error_row(job.id, f"AR input: {e}"))
+            for request, result in zip(requests, _generate(engine, requests, sampling, export_kv)):
+                if isinstance(result, Exception):
+                    rows.append(_error_row(request.id, f"AR failed: {type(result).__name__}: {result}"))
+                    continue
+                row = _ok_row(result, len(requests))
+                rows.append(row)
+                if store is not None and result.prompt_kv is not None:
+                    puts.add(row, run_id, shard, result.prompt_kv)
+                result.prompt_kv = None  # the put holds the only reference now
+            puts.flush()  # this batch's payloads go out while the next batch decodes
             progress.advance(task, len(batch))
-    layout.write_table(layout.ar_key(shard), pa.Table.from_pylist(rows, schema=AR_SCHEMA))
-    if store:
-        store.close()
-    return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows)}
+        puts.wait()
+        write_ar_rows(layout, shard, rows)
+    except BaseException:
+        puts.abandon()  # on the way out: payloads nobody will read are deleted now
+        raise
+    finally:
+        if store is not None:
+            store.close()
+    progress.finish(task)
+    return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
+            "kv_put_wait_s": round(puts.waited_s, 4)}
 
 
-def _generate(engine, requests, sampling) -> list:
+class _BackgroundPuts:
+    """Puts one batch's payloads on a background thread while the caller decodes the next batch.
+
+    At most one batch is in flight: `flush()` first waits for the previous one, so memory holds
+    the KV of two batches at most. A row's kv_key / kv_bytes / kv_put_s / kv_error are filled in
+    when its put finishes; a failed put leaves kv_error (the DiT step recomputes and says why)."""
+
+    def __init__(self, store: Any):
+        self.store = store
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-put") if store is not None else None
+        self.queued: list[tuple[dict[str, Any], str, Any]] = []
+        self.in_flight: list[tuple[dict[str, Any], str, Future]] = []
+        self.stored: list[str] = []  # keys put so far (deleted if the step fails)
+        self.waited_s = 0.0  # time the decode loop spent waiting for puts
+
+    def expire_orphans(self) -> None:
+        """Delete payloads older than the store's TTL (left by failed or killed runs), in the
+        background and best effort: a store that cannot list its keys just keeps them longer."""
+        if self.store is not None and getattr(self.store, "ttl_s", None):
+            def expire() -> None:
+                try:
+                    self.store.expire(self.store.ttl_s)
+                except Exception:  # noqa: BLE001 - housekeeping, never the step's failure
+                    pass
+            self.pool.submit(expire)
+
+    def add(self, row: dict[str, Any], run_id: str, shard: int, kv: Any) -> None:
+        try:
+            key = kv_key(run_id, shard, row["id"])
+        except ValueError as e:  # e.g. a run id + row key over the store's key length
+            row["kv_error"] = f"no KV key for this row: {e}"
+            return
+        self.queued.append((row, key, kv))
+
+    def _put(self, key: str, kv: Any) -> tuple[int | None, float, str | None]:
+        t0 = time.perf_counter()
+        try:
+            return self.store.put(key, kv), time.perf_counter() - t0, None
+        except Exception as e:  # noqa: BLE001 - the DiT step will recompute and say why
+            return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+
+    def flush(self) -> None:
+        self.wait()
+        self.in_flight = [(row, key, self.pool.submit(self._put, key, kv)) for row, key, kv in self.queued]
+        self.queued = []
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        for row, key, fut in self.in_flight:
+            size, put_s, error = fut.result()
+            row["kv_put_s"] = put_s
+            if error is None:
+                row["kv_key"], row["kv_bytes"] = key, size
+                self.stored.append(key)
+            else:
+                row["kv_error"] = error
+        self.waited_s += time.perf_counter() - t0
+        self.in_flight = []
+
+    def abandon(self) -> None:
+        if self.pool is None:
+            return
+        self.queued = []
+        try:
+            self.wait()  # let a put in progress finish, so its key is known and can be deleted
+        except BaseException:  # noqa: BLE001 - a second Ctrl-C: give up on the waiting, not on the deletes
+            pass
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        failed = [k for k in self.stored if delete_quietly(self.store, k, attempts=2, backoff_s=0.2)]
+        if failed:
+            print(f"ar: could not delete {len(failed)} KV payload(s) of this failed step (they expire with the "
+                  f"store's TTL, or run `ardit store clean URL --run RUN`)", file=sys.stderr)
+
+
+def _generate(engine, requests, sampling, export_kv: bool = True) -> list:
     """Outputs for a batch; if the batch fails, rows one by one so a bad row names itself."""
     if not requests:
         return []
     try:
-        return engine.generate_ar(requests, sampling)
+        return engine.generate_ar(requests, sampling, export_kv)
     except Exception:  # noqa: BLE001
         results = []
         for r in requests:
             try:
-                results.append(engine.generate_ar([r], sampling)[0])
+                results.append(engine.generate_ar([r], sampling, export_kv)[0])
             except Exception as e:  # noqa: BLE001
                 results.append(e)
         return results
 
 
-def _ok_row(out, store, run_id: str, shard: int, batch_size: int) -> dict[str, Any]:
+def _ok_row(out, batch_size: int) -> dict[str, Any]:
     t = out.timings
-    row = {"id": out.id, "status": "ok", "error": None, "ar_record": json.dumps(out.to_record()),
-           "kv_key": None, "kv_bytes": None, "kv_put_s": None, "kv_error": None,
-           # batch times are shared: each row carries its share
-           "ar_prefill_s": t["ar_prefill_s"] / batch_size, "ar_decode_s": t["ar_decode_s"] / batch_size,
-           "prompt_tokens": t["prompt_tokens"], "generated_tokens": t["generated_tokens"]}
-    if store is not None and out.prompt_kv is not None:
-        key = kv_key(run_id, shard, out.id)
-        t0 = time.perf_counter()
-        try:
-            row["kv_bytes"] = store.put(key, out.prompt_kv)
-            row["kv_key"] = key
-        except Exception as e:  # noqa: BLE001 - the DiT step will recompute and say why
-            row["kv_error"] = f"{type(e).__name__}: {e}"
-        row["kv_put_s"] = time.perf_counter() - t0
-    return row
+    return {"id": out.id, "status": "ok", "error": None, "ar_record": json.dumps(out.to_record()),
+            "kv_key": None, "kv_bytes": None, "kv_put_s": None, "kv_error": None,
+            # batch times are shared: each row carries its share
+            "ar_prefill_s": t["ar_prefill_s"] / batch_size, "ar_decode_s": t["ar_decode_s"] / batch_size,
+            "prompt_tokens": t["prompt_tokens"], "generated_tokens": t["generated_tokens"]}
 
 
 def _error_row(row_id: str, error: str) -> dict[str, Any]:
     return {"id": row_id, "status": "error", "error": error}
-
-
-def _existing_ids(layout: RunLayout, shard: int) -> set[str]:
-    key = layout.ar_key(shard)
-    if not layout.store.exists(key):
-        return set()
-    return set(layout.read_table(key).column("id").to_pylist())
-
-
-def read_ar_rows(layout: RunLayout, shard: int) -> dict[str, dict[str, Any]]:
-    """ar.parquet as {id: row}; empty when the AR step has not run."""
-    key = layout.ar_key(shard)
-    if not layout.store.exists(key):
-        return {}
-    return {r["id"]: r for r in layout.read_table(key).to_pylist()}

@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import random
 import shutil
 import tempfile
+import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -35,6 +37,35 @@ _TMP_PREFIX = ".ardit-tmp-"
 
 class ObjectStoreError(RuntimeError):
     """A storage operation failed for good (after retries where retrying makes sense)."""
+
+
+class S3AccessError(ObjectStoreError):
+    """The S3 credentials are missing, refused, or lack a permission (retrying will not help)."""
+
+
+class BucketNotFoundError(ObjectStoreError):
+    """The bucket does not exist."""
+
+
+# error codes that mean "these credentials": no retry, and say where credentials come from
+_AUTH_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+               "AllAccessDisabled"}
+_CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE; in the cluster the "
+                     "ardit-s3 Secret) for a key that may read and write this bucket")
+
+
+def _streaming_errors() -> tuple[type[BaseException], ...]:
+    """Failures while reading a response body that a new request may not hit again."""
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        IncompleteReadError,
+        ReadTimeoutError,
+        ResponseStreamingError,
+    )
+    from urllib3.exceptions import HTTPError as Urllib3Error
+
+    return (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError, Urllib3Error,
+            ConnectionError, TimeoutError)
 
 
 class ObjectNotFoundError(ObjectStoreError, KeyError):
@@ -330,8 +361,13 @@ class S3ObjectStore(ObjectStore):
     def client(self) -> Any:
         """The boto3 client (created on first use, so importing this module needs no boto3)."""
         if self._client is None:
-            import boto3
-            from botocore.config import Config
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError as exc:
+                from components.errors import missing_extra
+
+                raise (missing_extra(exc, f"S3 storage ({self.url()})") or exc) from None
 
             config = Config(
                 region_name=self.region,
@@ -359,31 +395,45 @@ class S3ObjectStore(ObjectStore):
 
     def _error(self, op: str, key: str, exc: Exception) -> ObjectStoreError:
         """Turn a botocore error into one that says what was being done, where, and why."""
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
         where = self.url(key) if key else self.url()
+        endpoint = self.endpoint_url or "AWS"
         if isinstance(exc, ClientError):
             err = exc.response.get("Error", {})
             code = str(err.get("Code", ""))
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             retries = exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+            if code == "NoSuchBucket" or (op == "head bucket" and code in ("404", "NotFound")):
+                return BucketNotFoundError(f"S3 bucket {self.bucket!r} does not exist [endpoint {endpoint}]: "
+                                           f"create it (aws s3 mb s3://{self.bucket}) or fix the URI {where}")
             if code in ("404", "NoSuchKey", "NotFound"):
                 return ObjectNotFoundError(f"no object {where}")
             msg = (
                 f"S3 {op} {where} failed: {code or status} (HTTP {status}) {err.get('Message', '')}".rstrip()
-                + f" after {retries + 1} attempt(s) [endpoint {self.endpoint_url or 'AWS'}]"
+                + f" after {retries + 1} attempt(s) [endpoint {endpoint}]"
             )
+            if status == 403 or code in _AUTH_CODES:
+                return S3AccessError(f"{msg}: the credentials were refused or lack permission; {_CREDENTIALS_HINT}")
             return ObjectStoreError(msg)
-        endpoint = self.endpoint_url or "AWS"
+        if isinstance(exc, NoCredentialsError):
+            return S3AccessError(f"S3 {op} {where}: no credentials found; {_CREDENTIALS_HINT}")
+        if isinstance(exc, EndpointConnectionError):
+            return ObjectStoreError(f"S3 {op} {where}: cannot reach the endpoint {endpoint} ({exc}); "
+                                    "check ARDIT_S3_ENDPOINT / AWS_ENDPOINT_URL")
         return ObjectStoreError(f"S3 {op} {where} failed: {type(exc).__name__}: {exc} [endpoint {endpoint}]")
 
     def _call(self, op: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return fn(*args, **kwargs)
         except (ClientError, BotoCoreError) as exc:
             raise self._error(op, key, exc) from exc
+        except Boto3Error as exc:  # managed transfers wrap the botocore error (S3UploadFailedError, ...)
+            cause = getattr(exc, "last_exception", None) or exc.__context__
+            raise self._error(op, key, cause if isinstance(cause, (ClientError, BotoCoreError)) else exc) from exc
 
     def put_bytes(self, key: str, data: bytes) -> None:
         if len(data) < self.multipart_threshold:  # one PutObject: atomic, retried by botocore
@@ -425,9 +475,27 @@ class S3ObjectStore(ObjectStore):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        resp = self._call("get", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key),
-                          Range=f"bytes={start}-{start + length - 1}")
-        return self._call("get", key, resp["Body"].read)
+        # botocore retries the request, not the body: a connection reset or a short body while
+        # reading it is retried here, with the same attempts and backoff as a failed request.
+        for attempt in range(1, self.max_attempts + 1):
+            resp = self._call("get", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key),
+                              Range=f"bytes={start}-{start + length - 1}")
+            try:
+                data = resp["Body"].read()
+                expected = int(resp.get("ContentLength", len(data)))
+                if len(data) == expected:
+                    return data
+                problem = f"truncated body: {len(data)} of {expected} bytes"
+            except _streaming_errors() as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            finally:
+                resp["Body"].close()
+            if attempt == self.max_attempts:
+                raise ObjectStoreError(f"S3 get {self.url(key)} bytes {start}+{length} failed while reading "
+                                       f"the body ({problem}) after {attempt} attempt(s) "
+                                       f"[endpoint {self.endpoint_url or 'AWS'}]")
+            time.sleep(min(20.0, random.uniform(0, 2 ** attempt * 0.1)))  # botocore's standard backoff
+        raise AssertionError("unreachable")
 
     def content_id(self, key: str) -> str:
         head = self._head(key)
@@ -446,7 +514,7 @@ class S3ObjectStore(ObjectStore):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
                 keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
         except (ClientError, BotoCoreError) as exc:
-            raise self._error("list", "", exc) from exc
+            raise self._error("list", prefix.rstrip("/"), exc) from exc
         return sorted(k for k in keys if k and not k.endswith("/"))
 
     def delete(self, key: str) -> None:
@@ -469,7 +537,18 @@ class S3ObjectStore(ObjectStore):
         return len(keys)
 
     def url(self, key: str = "") -> str:
-        return f"s3://{self.bucket}/{self._key(key) if key else self.prefix}".rstrip("/")
+        return f"s3://{self.bucket}/{join_key(self.prefix, key) if key else self.prefix}".rstrip("/")
+
+    def check_access(self, write: bool = True) -> None:
+        """Before any work: the bucket exists, the credentials work, and (with `write`) a probe
+        object can be written and deleted under the prefix. Raises one clear error otherwise."""
+        self._call("head bucket", "", self.client.head_bucket, Bucket=self.bucket)
+        self._call("list", "", self.client.list_objects_v2, Bucket=self.bucket,
+                   Prefix=self.prefix + "/" if self.prefix else "", MaxKeys=1)
+        if write:
+            probe = f"{_TMP_PREFIX.lstrip('.')}probe-{uuid.uuid4().hex[:12]}"
+            self.put_bytes(probe, b"")
+            self.delete(probe)
 
     def child(self, prefix: str) -> S3ObjectStore:
         if not prefix:

@@ -6,6 +6,7 @@
     {output}/{run}/shards/{k}/rows/{row}.json                    DiT step, one per finished row
     {output}/{run}/shards/{k}/rows.parquet                       assembled at commit
     {output}/{run}/shards/{k}/_COMMITTED                         written LAST
+    {output}/{run}/settings/{ar,dit}.json                        what each step computes with
     {output}/{run}/summary.json                                  summary step
 
 Why it is safe to kill a step at any moment: every object write is atomic (local temp file +
@@ -33,6 +34,8 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
+from components.errors import ConfigError
+
 from .datasets import Job, jobs_from_table, read_parquet_bytes, write_parquet_bytes
 from .objectstore import ObjectNotFoundError, ObjectStore, open_object_store
 
@@ -58,6 +61,7 @@ ROWS_SCHEMA = pa.schema(
         ("kv_bytes", pa.int64()),
         ("kv_put_s", pa.float64()),
         ("kv_get_s", pa.float64()),
+        ("kv_wait_s", pa.float64()),  # of kv_get_s, what the DiT loop waited for (prefetch hides the rest)
         ("dit_step_s_mean", pa.float64()),
         ("dit_total_s", pa.float64()),
         ("vae_decode_s", pa.float64()),
@@ -65,6 +69,19 @@ ROWS_SCHEMA = pa.schema(
 )
 CORE_COLUMNS = frozenset(ROWS_SCHEMA.names)
 MARKER_NAME = "_COMMITTED"
+_STEP_NAMES = {"ar": "AR", "dit": "DiT"}
+
+
+class InvalidRunIdError(ConfigError, ValueError):
+    """A run id that cannot name a directory / key prefix."""
+
+
+class SettingsConflictError(ConfigError):
+    """The run was started with other settings; resuming it now would mix them."""
+
+    def __init__(self, message: str, differences: dict[str, tuple[Any, Any]]):
+        super().__init__(message)
+        self.differences = differences
 
 
 class CoverageError(RuntimeError):
@@ -139,8 +156,9 @@ class RunLayout:
     run_id: str
 
     def __post_init__(self) -> None:
-        if not _SAFE_ID.fullmatch(self.run_id):
-            raise ValueError(f"run id {self.run_id!r} must match {_SAFE_ID.pattern} (it becomes a path)")
+        if not _SAFE_ID.fullmatch(self.run_id) or self.run_id.endswith(".tmp"):
+            raise InvalidRunIdError(f"--run-id {self.run_id!r}: use 1-128 letters, digits, '.', '_' or '-', "
+                                    "starting with a letter or digit (it names a directory)")
 
     @classmethod
     def open(cls, output_uri: str, run_id: str) -> RunLayout:
@@ -175,6 +193,30 @@ class RunLayout:
     @property
     def summary_key(self) -> str:
         return f"{self.run_id}/summary.json"
+
+    def settings_key(self, step: str) -> str:
+        return f"{self.run_id}/settings/{step}.json"
+
+    # --- settings: a run computes every row with the same ones
+    def check_settings(self, step: str, settings: dict[str, Any]) -> bool:
+        """Raise SettingsConflictError if the run recorded other `step` settings; True if it
+        recorded these, False if it recorded none yet."""
+        recorded = self.read_json(self.settings_key(step))
+        if recorded is None:
+            return False
+        differences = {k: (recorded[k], v) for k, v in settings.items() if k in recorded and recorded[k] != v}
+        if differences:
+            shown = ", ".join(f"{k} {old!r} (now {new!r})" for k, (old, new) in differences.items())
+            raise SettingsConflictError(
+                f"run {self.run_id!r} was started with other {_STEP_NAMES.get(step, step)} settings: {shown} "
+                f"[{self.store.url(self.settings_key(step))}]; to resume it, repeat its settings; "
+                "to start over with these, use a new run id", differences)
+        return True
+
+    def remember_settings(self, step: str, settings: dict[str, Any]) -> None:
+        """Record `step`'s settings on first use; later calls must bring the same ones."""
+        if not self.check_settings(step, settings):
+            self.write_json(self.settings_key(step), {**settings, "recorded_at": utc_now()})
 
     # --- small helpers
     def read_json(self, key: str) -> dict[str, Any] | None:

@@ -1,30 +1,47 @@
-"""python -m components.dit --output URI --run-id ID --shard K [--model tiny] [--kv-store URL] [--steps N --guidance G]"""
+"""python -m components.dit --output URI --run-id ID --shard K [--model tiny] [--kv-store URL] [--steps N --guidance G]
+
+Generation settings left out (or passed empty) come from the model's generation config.
+Exit codes: 0 ok, 2 configuration error (one line on stderr), 130 interrupted."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from components.steps import add_engine_args, engine_kwargs
+from components.steps import (
+    StepArgumentParser,
+    add_engine_args,
+    engine_kwargs,
+    optional_float,
+    optional_int,
+    step_main,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m components.dit", description=__doc__)
+    p = StepArgumentParser(prog="python -m components.dit", description=__doc__)
     add_engine_args(p)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--guidance", type=float, default=5.0)
-    p.add_argument("--flow-shift", type=float, default=3.0)
+    p.add_argument("--steps", type=optional_int, default=None, help="denoising steps (default: generation config)")
+    p.add_argument("--guidance", type=optional_float, default=None,
+                   help="CFG scale >= 0, <= 1 turns CFG off (default: generation config)")
+    p.add_argument("--flow-shift", type=optional_float, default=None, help="scheduler shift (default: generation config)")
     p.add_argument("--no-kv-reuse", action="store_true", help="always recompute the prompt K/V")
     p.add_argument("--save-latents", action="store_true", help="also write shards/{k}/latents/{row}.pt")
+    p.add_argument("--no-prefetch", action="store_true", help="fetch each row's KV only when it is needed")
     args = p.parse_args(argv)
-    from components.dit.run import run
 
-    result = run(args.output, args.run_id, args.shard, steps=args.steps, guidance=args.guidance,
-                 flow_shift=args.flow_shift, kv_reuse=not args.no_kv_reuse, save_latents=args.save_latents,
-                 **engine_kwargs(args))
-    print(json.dumps(result, default=str))
-    return 0
+    def body() -> int:
+        from components.dit.run import run
+        from components.progress import make_progress
+
+        with make_progress("auto") as progress:
+            result = run(args.output, args.run_id, args.shard, steps=args.steps, guidance=args.guidance,
+                         flow_shift=args.flow_shift, kv_reuse=not args.no_kv_reuse, save_latents=args.save_latents,
+                         prefetch=not args.no_prefetch, progress=progress, **engine_kwargs(args))
+        print(json.dumps(result, default=str))
+        return 0
+
+    return step_main(p.prog, body, debug=args.debug)
 
 
 if __name__ == "__main__":

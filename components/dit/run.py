@@ -1,97 +1,271 @@
 """DiT step: one shard's AR outputs -> images, rows.parquet and the commit marker.
 
+    check the options; remember the settings (a resumed run must bring the same ones)
     for each row without a committed image:
-        kv = kv.get(run/shard/row)          absent? recompute, and record why
+        kv = kv.get(run/shard/row)          fetched in the background while row k-1 denoises;
+                                            absent or failed? recompute, and record why
         image = engine.dit(...)             denoise + VAE decode
-        images/{row}.png, rows/{row}.json   (the image first: a record always has its image)
-        kv.delete(run/shard/row)            the payload is consumed
+        images/{row}.png, rows/{row}.json   written in the background while row k+1 denoises
+                                            (the image first: a record always has its image)
+        kv.delete(run/shard/row)            the payload is consumed (best effort, retried)
     rows.parquet, then _COMMITTED           (every input row: an image or an error row)
     kv.delete_prefix(run/shard)             no key of this shard survives the commit
+
+Each ok row records `kv_wait_s`, the time the denoising loop waited for its KV (the part of the
+transfer the prefetch did not hide); the summary reports it per shard against the DiT time.
+A store lost or restarted mid-shard costs recomputes (with the reason), never the shard.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from components.ar.run import read_ar_rows
-from components.data.runs import RunLayout, row_key
-from components.engine import AROutput, DiTRequest
-from components.steps import default_kv_store, kv_key, load_engine
+from components.data.ar_outputs import read_ar_rows
+from components.data.runs import RunLayout, ShardWriter, row_key
+from components.kvstore.base import delete_quietly
+from components.progress import NoProgress
+from components.steps import (
+    DIT_SETTINGS,
+    check_engine_options,
+    default_kv_store,
+    kv_key,
+    load_engine,
+    open_kv_store,
+    resolve_generation,
+)
+
+
+def dit_settings(model: str, weights: str | None, dummy_weights: bool, dtype: str | None, quantization: str | None,
+                 seed: int, generation: dict[str, Any]) -> dict[str, Any]:
+    """What the DiT step computes with (a run remembers it; device, TP size and KV reuse,
+    which must not change the image, are not part)."""
+    return {"model": model, "weights": weights, "dummy_weights": dummy_weights, "dtype": dtype,
+            "quantization": quantization, "seed": seed, **{k: generation[k] for k in DIT_SETTINGS}}
 
 
 def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: str | None = None,
-        kv_store: str | None = None, steps: int = 20, guidance: float = 5.0, flow_shift: float = 3.0,
-        seed: int = 0, kv_reuse: bool = True, save_latents: bool = False, device: str = "cpu",
-        dtype: str | None = None, progress: Any = None) -> dict[str, Any]:
-    from components.kvstore import open_store
-
+        dummy_weights: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
+        kv_store: str | None = None, steps: int | None = None, guidance: float | None = None,
+        flow_shift: float | None = None, seed: int = 0, kv_reuse: bool = True, save_latents: bool = False,
+        device: str = "cpu", dtype: str | None = None, progress: Any = None, prefetch: bool = True,
+        parallel: Any = None) -> dict[str, Any]:
+    """Run the DiT step of one shard. Generation settings left None come from the model's
+    generation config. Raises ConfigError (before any work) for a bad option or settings that
+    differ from those the run started with. `parallel`: this rank's ParallelContext under the
+    tensor-parallel launcher (components.ranks), None in one process."""
+    check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+                         seed=seed, device=device)
+    gen = resolve_generation(model, steps=steps, guidance=guidance, flow_shift=flow_shift)
     layout = RunLayout.open(output, run_id)
+    layout.remember_settings("dit", dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
+    progress = progress or NoProgress()
     if layout.is_committed(shard):
+        progress.skip(f"DiT shard {shard}", "committed")
         return {"shard": shard, "skipped": "committed"}
     writer = layout.shard_writer(shard)
     pending = writer.pending()
     ar_rows = read_ar_rows(layout, shard)
-    engine = load_engine(model, weights, device, dtype)
-    store = open_store(kv_store or default_kv_store(output, run_id))
-    task = progress.add_task(f"DiT shard {shard}", total=len(pending)) if progress else None
-    for job in pending:
-        ar_row = ar_rows.get(job.id)
-        key = kv_key(run_id, shard, job.id)
-        if ar_row is None or ar_row["status"] != "ok":
-            error = ar_row["error"] if ar_row else "no AR output for this row (AR step not run or failed)"
-            writer.record_error(job.id, error)
-            store.delete(key)
-        else:
-            _denoise_row(engine, store, writer, layout, job, ar_row, key, steps=steps, guidance=guidance, flow_shift=flow_shift, seed=seed,
-                         kv_reuse=kv_reuse, save_latents=save_latents, shard=shard)
-        if progress:
-            progress.advance(task)
-    marker = writer.commit()
-    store.delete_prefix(f"{run_id}/{shard}")
-    store.close()
-    return {"shard": shard, **marker}
+    engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
+                         parallel)
+    store = open_kv_store(kv_store or default_kv_store(output, run_id))
+    kv_io = _KVReader(store, engine, kv_reuse)
+    out_io = _RowWriter(writer, layout, shard, save_latents, kv_io)
+    task = progress.add_task(f"DiT shard {shard}", len(pending))
+    fetches: dict[int, Future] = {}
 
+    def fetch(i: int) -> None:
+        if i < len(pending) and i not in fetches:
+            job = pending[i]
+            fetches[i] = kv_io.fetch(kv_key(run_id, shard, job.id), ar_rows.get(job.id))
 
-def _denoise_row(engine, store, writer, layout, job, ar_row, key, *, steps, guidance, flow_shift, seed, kv_reuse,
-                 save_latents, shard) -> None:
-    ar = AROutput.from_record(json.loads(ar_row["ar_record"]))
-    kv, absent_reason, get_s = None, "", None
-    if not kv_reuse:
-        absent_reason = "reuse disabled"
-    elif ar_row.get("kv_error"):
-        absent_reason = f"AR could not store KV: {ar_row['kv_error']}"
-    elif not ar_row.get("kv_key"):
-        absent_reason = "AR exported no KV (no reuse boundary)"
-    else:
-        t0 = time.perf_counter()
-        got = store.get(key, expect_model_id=engine.model_id, expect_config_hash=engine.config_hash,
-                        device=str(engine.model.device))
-        get_s = time.perf_counter() - t0
-        kv, absent_reason = got.kv, ("" if got.ok else f"KV {got.reason}")
     try:
-        out = engine.dit(DiTRequest(ar, job.pil_images(), kv, absent_reason, steps=steps, guidance_scale=guidance,
-                                    flow_shift=flow_shift, seed=job.effective_seed(seed)))
+        for i, job in enumerate(pending):
+            fetch(i)
+            if prefetch:
+                fetch(i + 1)  # row k+1's KV travels while row k denoises
+            ar_row = ar_rows.get(job.id)
+            key = kv_key(run_id, shard, job.id)
+            if ar_row is None or ar_row["status"] != "ok":
+                fetches.pop(i).result()
+                out_io.error(job.id, ar_row["error"] if ar_row else
+                             "no AR output for this row (AR step not run or failed)", key)
+            else:
+                t0 = time.perf_counter()
+                kv, absent_reason, get_s = kv_io.result(fetches.pop(i))
+                _denoise_row(engine, out_io, job, ar_row, key, kv, absent_reason, get_s,
+                             wait_s=time.perf_counter() - t0, gen=gen, seed=seed)
+            out_io.check()
+            progress.advance(task, 1)
+        out_io.drain()
+        marker = writer.commit()
+        kv_io.forget(f"{run_id}/{shard}", prefix=True)
+    finally:
+        out_io.close()  # a row being written is finished (it is atomic either way), then stop
+        kv_io.close()
+        store.close()
+    if kv_store is None:
+        _remove_if_empty(default_kv_store(output, run_id))
+    progress.finish(task)
+    return {"shard": shard, **marker, "kv_wait_s": round(out_io.kv_wait_s, 4),
+            "kv_deletes_failed": kv_io.deletes_failed}
+
+
+def _remove_if_empty(url: str) -> None:
+    """The embedded store's directory once nothing is left in it (for s3:// outputs it sits in the
+    temp dir's ardit-kv/, which would otherwise collect an empty directory per run)."""
+    import os
+
+    root = url.removeprefix("local://")
+    for path in (root, os.path.dirname(root) if os.path.basename(os.path.dirname(root)) == "ardit-kv" else None):
+        try:
+            if path:
+                os.rmdir(path)  # only ever removes an empty directory
+        except OSError:
+            return
+
+
+def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: str, kv, absent_reason: str,
+                 get_s: float | None, *, wait_s: float, gen: dict[str, Any], seed: int) -> None:
+    from components.engine import AROutput, DiTRequest
+
+    try:
+        ar = AROutput.from_record(json.loads(ar_row["ar_record"]))
+        out = engine.dit(DiTRequest(ar, job.pil_images(), kv, absent_reason, steps=gen["steps"],
+                                    guidance_scale=gen["guidance"], flow_shift=gen["flow_shift"],
+                                    seed=job.effective_seed(seed)))
     except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
-        writer.record_error(job.id, f"DiT failed: {type(e).__name__}: {e}")
+        out_io.error(job.id, f"DiT failed: {type(e).__name__}: {e}", key)
         return
     t = out.timings
-    writer.record_ok(
-        job.id, out.image, cot_text=ar.cot_text, kv_path=out.kv_path, kv_reason=out.kv_reason or None,
+    metrics = dict(
+        cot_text=ar.cot_text, kv_path=out.kv_path, kv_reason=out.kv_reason or None,
         ar_prefill_s=ar_row["ar_prefill_s"], ar_decode_s=ar_row["ar_decode_s"],
         prompt_tokens=ar_row["prompt_tokens"], generated_tokens=ar_row["generated_tokens"],
-        kv_bytes=ar_row.get("kv_bytes"), kv_put_s=ar_row.get("kv_put_s"), kv_get_s=get_s,
+        kv_bytes=ar_row.get("kv_bytes"), kv_put_s=ar_row.get("kv_put_s"), kv_get_s=get_s, kv_wait_s=wait_s,
         dit_step_s_mean=sum(t["dit_step_s"]) / max(len(t["dit_step_s"]), 1),
         dit_total_s=t["dit_total_s"], vae_decode_s=t["vae_decode_s"],
         dit_prefix_s=t["dit_prefix_s"], generated_ids=json.dumps(ar.generated_ids),
         ratio_index=ar.ratio_index)
-    if save_latents:
-        import io
+    out_io.ok(job.id, out.image, out.latents, key, metrics)
 
-        import torch
 
-        buf = io.BytesIO()
-        torch.save(out.latents, buf)
-        layout.store.put_bytes(f"{layout.shard_prefix(shard)}latents/{row_key(job.id)}.pt", buf.getvalue())
-    store.delete(key)  # consumed: the image is committed
+class _KVReader:
+    """The shard's KV traffic on one background thread: gets run ahead of the denoising loop
+    (prefetch), deletes of consumed payloads run behind it. One thread, so the store client
+    (not thread-safe) is only ever used by one thread at a time."""
+
+    def __init__(self, store: Any, engine: Any, kv_reuse: bool):
+        self.store, self.engine, self.kv_reuse = store, engine, kv_reuse
+        self.device = str(engine.model.device)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-io")
+        self.deletes_failed = 0
+
+    def fetch(self, key: str, ar_row: dict[str, Any] | None) -> Future:
+        """A future of (kv or None, why not, get seconds or None)."""
+        reason = None
+        if ar_row is None or ar_row["status"] != "ok":
+            reason = "no AR output"
+        elif not self.kv_reuse:
+            reason = "reuse disabled"
+        elif ar_row.get("kv_error"):
+            reason = f"AR could not store KV: {ar_row['kv_error']}"
+        elif not ar_row.get("kv_key"):
+            reason = "AR exported no KV (no reuse boundary)"
+        if reason is not None:
+            done: Future = Future()
+            done.set_result((None, reason, None))
+            return done
+        return self.pool.submit(self._get, key)
+
+    def _get(self, key: str) -> tuple[Any, str, float]:
+        t0 = time.perf_counter()
+        expect = dict(expect_model_id=self.engine.model_id, expect_config_hash=self.engine.config_hash)
+        if self.device.startswith("cuda"):
+            import torch
+
+            stream = torch.cuda.Stream(device=self.device)  # copies to the GPU beside the DiT's kernels
+            with torch.cuda.stream(stream):
+                got = self.store.get(key, device=self.device, **expect)
+            stream.synchronize()
+        else:
+            got = self.store.get(key, device=self.device, **expect)
+        return got.kv, ("" if got.ok else f"KV {got.reason}"), time.perf_counter() - t0
+
+    @staticmethod
+    def result(fut: Future) -> tuple[Any, str, float | None]:
+        """The fetched KV, or a recompute reason when the fetch itself failed."""
+        try:
+            return fut.result()
+        except Exception as e:  # noqa: BLE001 - a failed prefetch is a recompute, not a failed row
+            return None, f"KV prefetch failed: {type(e).__name__}: {e}", None
+
+    def forget(self, key: str, prefix: bool = False) -> None:
+        """Delete a consumed payload behind the loop; a store that is down or restarting is
+        retried, then left to the TTL (never an error of the row or the shard)."""
+        def delete() -> None:
+            error = delete_quietly(self.store, key, prefix=prefix)
+            if error:
+                self.deletes_failed += 1
+                print(f"dit: KV delete {key!r}{' (prefix)' if prefix else ''} failed: {error}; the payload "
+                      "expires with the store's TTL", file=sys.stderr)
+        self.pool.submit(delete)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)  # queued deletes still run; a pending get is bounded by the store timeout
+
+
+class _RowWriter:
+    """Writes finished rows (PNG, then record; latents) on a background thread, in order, while
+    the next row denoises; a write that failed is raised by the next `check()`."""
+
+    def __init__(self, writer: ShardWriter, layout: RunLayout, shard: int, save_latents: bool, kv_io: _KVReader):
+        self.writer, self.layout, self.shard = writer, layout, shard
+        self.save_latents, self.kv_io = save_latents, kv_io
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="row-writer")
+        self.futures: list[Future] = []
+        self.kv_wait_s = 0.0
+
+    def ok(self, row_id: str, image: Any, latents: Any, key: str, metrics: dict[str, Any]) -> None:
+        self.kv_wait_s += metrics["kv_wait_s"]
+
+        def write() -> None:
+            self.writer.record_ok(row_id, image, **metrics)
+            if self.save_latents:
+                import io
+
+                import torch
+
+                buf = io.BytesIO()
+                torch.save(latents, buf)
+                self.layout.store.put_bytes(f"{self.layout.shard_prefix(self.shard)}latents/{row_key(row_id)}.pt",
+                                            buf.getvalue())
+            self.kv_io.forget(key)  # consumed: the image is committed
+        self.futures.append(self.pool.submit(write))
+
+    def error(self, row_id: str, error: str, key: str) -> None:
+        def write() -> None:
+            self.writer.record_error(row_id, error)
+            self.kv_io.forget(key)
+        self.futures.append(self.pool.submit(write))
+
+    def check(self) -> None:
+        """Raise the error of a finished write (the shard stops: storage is failing)."""
+        still = []
+        for fut in self.futures:
+            if fut.done():
+                fut.result()
+            else:
+                still.append(fut)
+        self.futures = still
+
+    def drain(self) -> None:
+        for fut in self.futures:
+            fut.result()
+        self.futures = []
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=False)

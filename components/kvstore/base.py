@@ -1,4 +1,5 @@
-"""The one KV store interface the AR and DiT steps use, and `open_store(url)`.
+"""The one KV store interface the AR and DiT steps use (backends: local.py, mooncake.py;
+`open_store(url)` in factory.py picks one).
 
 A get never waits for a payload to appear: the AR step of a shard has finished (and put every
 key) before its DiT step starts, so "not there now" means "recompute", returned at once with the
@@ -14,14 +15,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlparse
 
-from components.engine.kvcache import PromptKV
-from components.kvstore.payload import PayloadError
+if TYPE_CHECKING:  # only for annotations: importing this module must not import torch
+    from typing_extensions import Self  # typing.Self needs Python 3.11
 
-if TYPE_CHECKING:  # typing.Self needs Python 3.11
-    from typing_extensions import Self
+    from components.engine.kvcache import PromptKV
+    from components.kvstore.payload import PayloadError
 
-# Key parts: letters, digits, '.', '_', '-' (no '#': the mooncake backend uses it for part keys).
-_PART = re.compile(r"^[A-Za-z0-9._-]+$")
+# Key parts: letters, digits, '.', '_', '-', '~' (no '#': the mooncake backend uses it for part
+# keys). Row ids that are not plain reach here encoded by `runs.row_key` (`name~hash`).
+_PART = re.compile(r"^[A-Za-z0-9._~-]+$")
 MAX_KEY_LEN = 512
 
 # GetResult.reason codes (a detail may follow after ": ")
@@ -75,8 +77,22 @@ def parse_size(text: str | int, what: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()[:1]])
 
 
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | float, what: str) -> float:
+    """'6h', '30m', '90s', '500ms', '3600' -> seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _DURATION_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{what}: {text!r} is not a duration (e.g. 6h, 30m, 90s, 3600)")
+    return float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
+
+
 def check_key(key: str) -> str:
-    """Keys look like `{run}/{shard}/{row}`: '/'-separated parts of [A-Za-z0-9._-]."""
+    """Keys look like `{run}/{shard}/{row}`: '/'-separated parts of [A-Za-z0-9._~-]."""
     if not isinstance(key, str) or not key:
         raise ValueError(f"store key must be a non-empty string, got {key!r}")
     if len(key) > MAX_KEY_LEN:
@@ -86,7 +102,7 @@ def check_key(key: str) -> str:
     for part in key.split("/"):
         if not _PART.match(part) or part in (".", ".."):
             raise ValueError(
-                f"store key {key!r}: part {part!r} must be non-empty [A-Za-z0-9._-] and not '.'/'..'"
+                f"store key {key!r}: part {part!r} must be non-empty [A-Za-z0-9._~-] and not '.'/'..'"
             )
     return key
 
@@ -103,6 +119,7 @@ class KVStore(ABC):
     """
 
     url: str
+    ttl_s: float | None = None  # payloads older than this may be expired (None: kept until deleted)
 
     @abstractmethod
     def put(self, key: str, kv: PromptKV | Any) -> int:
@@ -139,7 +156,8 @@ class KVStore(ABC):
 
     @abstractmethod
     def keys(self, prefix: str = "") -> list[str]:
-        """Payload keys (sorted) equal to `prefix` or under `prefix/`; all if empty."""
+        """Payload keys (sorted) that start with `prefix` (a plain string prefix, as
+        `ardit store keys --prefix`; `run/` for exactly one run); all if empty."""
 
     @abstractmethod
     def health(self) -> Health: ...
@@ -179,10 +197,6 @@ def reason_for(e: PayloadError) -> str:
     return f"{code}: {e.detail}" if code else f"{CORRUPT}: {e.reason}: {e.detail}"
 
 
-def under_prefix(key: str, prefix: str) -> bool:
-    return not prefix or key == prefix or key.startswith(prefix + "/")
-
-
 def parse_query(url: str) -> tuple[Any, dict[str, str]]:
     u = urlparse(url)
     q = {}
@@ -193,31 +207,20 @@ def parse_query(url: str) -> tuple[Any, dict[str, str]]:
     return u, q
 
 
-def open_store(url: str | None = None) -> KVStore:
-    """`local:///dir` or a plain path -> LocalStore; `mooncake://HOST:PORT?...` -> MooncakeStore."""
-    if not url:
-        raise ValueError(
-            "store url is empty (use local:///path or mooncake://host:port?metadata=...)"
-        )
-    if url.startswith("mooncake://"):
-        from components.kvstore.mooncake import (
-            MooncakeStore,  # lazy: needs the mooncake wheel
-        )
+def delete_quietly(store: KVStore, key: str, *, prefix: bool = False, attempts: int = 3,
+                   backoff_s: float = 0.5) -> str | None:
+    """Delete a payload (or, with `prefix`, everything under it), retrying a store that is
+    restarting; never raises. Returns None, or why it could not be deleted (the payload then
+    waits for its TTL or `ardit store clean`)."""
+    import time
 
-        return MooncakeStore.from_url(url)
-    if url.startswith("local://"):
-        u, q = parse_query(url)
-        if q:
-            raise ValueError(
-                f"store url {url!r}: local:// takes no parameters, got {sorted(q)}"
-            )
-        path = unquote(u.netloc + u.path)
-    elif "://" in url:
-        raise ValueError(
-            f"store url {url!r}: unknown scheme (use local:// or mooncake://)"
-        )
-    else:
-        path = url
-    from components.kvstore.local import LocalStore
-
-    return LocalStore(path)
+    error = None
+    for attempt in range(attempts):
+        try:
+            (store.delete_prefix if prefix else store.delete)(key)
+            return None
+        except Exception as exc:  # noqa: BLE001 - deleting a consumed payload must never sink a row
+            error = f"{type(exc).__name__}: {exc}"
+            if attempt + 1 < attempts:
+                time.sleep(backoff_s * 2**attempt)
+    return error

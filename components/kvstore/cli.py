@@ -44,17 +44,12 @@ def up(
     """Start the servers in the background and print the store URL."""
     from components.kvstore import servers
 
-    st = servers.up(
-        state_dir,
-        host=host,
-        master_port=master_port,
-        metadata_port=metadata_port,
-        admin_port=admin_port,
-        holder_port=holder_port,
-        segment=segment,
-        protocol=protocol,
-        device=device,
-    )
+    try:
+        st = servers.up(state_dir, host=host, master_port=master_port, metadata_port=metadata_port,
+                        admin_port=admin_port, holder_port=holder_port, segment=segment, protocol=protocol,
+                        device=device)
+    except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
+        raise _fail(exc) from None
     typer.echo(f"pids {st.pids}, logs in {st.workdir}")
     typer.echo(st.url)
 
@@ -79,16 +74,35 @@ def status(state_dir: str | None = _STATE) -> None:
         raise typer.Exit(1)
 
 
+def _open(url: str):
+    """The store, or one line and exit code 2 for a bad URL / missing extra."""
+    from components.steps import open_kv_store
+
+    return open_kv_store(url)
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    """One line (a server's log tail stays in its log file) and exit code 1."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    more = " (the server logs are in the state directory)" if len(lines) > 1 else ""
+    typer.echo(f"ardit store: error: {lines[0].rstrip(':')}{more}", err=True)
+    return typer.Exit(1)
+
+
 @app.command()
 def keys(
     url: str = typer.Argument(..., help="store URL"),
-    prefix: str = typer.Option("", help="run or key prefix"),
+    prefix: str = typer.Option("", help="list keys that start with this (a run id, 'run/0/', any prefix)"),
 ) -> None:
     """List payload keys in a store."""
-    from components.kvstore import open_store
+    from components.kvstore.base import StoreError
 
-    with open_store(url) as s:
-        for k in s.keys(prefix):
+    with _open(url) as s:
+        try:
+            found = s.keys(prefix)
+        except StoreError as exc:
+            raise _fail(exc) from None
+        for k in found:
             typer.echo(k)
 
 
@@ -101,14 +115,17 @@ def clean(
     ),
 ) -> None:
     """Run-level cleanup (--run) and/or orphan expiry (--older-than)."""
-    from components.kvstore import open_store
+    from components.kvstore.base import StoreError
 
     if not run and older_than < 0:
         raise typer.BadParameter("give --run RUN and/or --older-than SECONDS")
-    with open_store(url) as s:
-        if run:
-            typer.echo(f"deleted {s.delete_prefix(run)} payload(s) of run {run}")
-        if older_than >= 0:
-            typer.echo(
-                f"expired {s.expire(older_than)} payload(s) older than {older_than:g} s"
-            )
+    with _open(url) as s:
+        try:
+            if run:
+                typer.echo(f"deleted {s.delete_prefix(run)} payload(s) of run {run}")
+            if older_than >= 0:
+                typer.echo(
+                    f"expired {s.expire(older_than)} payload(s) older than {older_than:g} s"
+                )
+        except (StoreError, ValueError) as exc:
+            raise _fail(exc) from None

@@ -24,7 +24,6 @@ from components.kvstore.base import (
     KVStore,
     StoreError,
     check_key,
-    under_prefix,
 )
 from components.kvstore.payload import (
     PayloadError,
@@ -211,7 +210,7 @@ class LocalStore(KVStore):
             if p.name.startswith(_TMP):
                 continue
             k = p.relative_to(self.root).as_posix()[: -len(SUFFIX)]
-            if under_prefix(k, prefix):
+            if k.startswith(prefix):
                 out.append(k)
         return sorted(out)
 

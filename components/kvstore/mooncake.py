@@ -12,10 +12,16 @@ from the key list alone, without reading anything.
 Memory: the step processes contribute no memory (`segment=0`); payloads live in a standalone
 `mooncake_client` segment holder, so they outlive the AR process that put them.
 
-Pinning: every object is put with `with_hard_pin=True`. The master never evicts a pinned object,
-so an unread payload cannot disappear silently; when the store is full the *put* fails loudly
-(-200) instead, and the DiT's `delete` after each committed image frees space. `pin=soft` (evictable
-after `--default_kv_soft_pin_ttl`) and `pin=none` exist for stores shared with other users.
+Pinning is a lease: every object is put soft-pinned for `pin_ttl` (default 6 h). Within its TTL
+the master evicts a payload only as a last resort when the store is full; after it, the payload
+is an ordinary object that eviction may take. So the payloads of a failed or killed run do not
+hold the store forever: each AR step also deletes payloads older than the TTL (best effort), the
+failing step deletes what it put on its way out, and `ardit store clean --older-than` does the
+same by hand. A payload read after its TTL may be gone: the DiT recomputes and says why.
+`pin=hard` (never evicted; a full store fails the put with -200 instead) and `pin=none` exist too.
+
+Mooncake logs ~17 glog lines to stderr when a client connects; they are kept out of the terminal
+(shown only when the connection fails, or with ARDIT_MOONCAKE_LOGS=1).
 
 Transfers go through one registered buffer per process (grown when a payload is bigger), so
 there is no per-request registration and no serialisation copy beyond encoding into it.
@@ -29,6 +35,8 @@ import os
 import re
 import secrets
 import socket
+import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -48,9 +56,9 @@ from components.kvstore.base import (
     KVStore,
     StoreError,
     check_key,
+    parse_duration,
     parse_query,
     parse_size,
-    under_prefix,
 )
 from components.kvstore.payload import (
     PREFIX_SIZE,
@@ -140,7 +148,8 @@ class MooncakeConfig:
     get_groups: int = 4  # measured on the 16-core GPU host: 3.3 GB/s vs 2.5-2.9 for one batch call
     timeout: float = 60.0  # bound on one put/get transfer
     connect_timeout: float = 3.0
-    pin: str = "hard"  # hard | soft | none
+    pin: str = "soft"  # soft (a lease of pin_ttl) | hard (never evicted) | none
+    pin_ttl: float = 6 * 3600.0  # seconds a soft-pinned payload is protected; older ones are expired
     admin: str = ""  # master's HTTP admin (metrics) URL, for keys()/expire(); default http://MASTER_HOST:9003
 
     def __post_init__(self) -> None:
@@ -158,6 +167,8 @@ class MooncakeConfig:
                 )
         if self.timeout <= 0:
             raise ValueError(f"mooncake timeout {self.timeout} must be > 0")
+        if not 1 <= self.pin_ttl <= 24 * 3600:  # the master's default -max_kv_soft_pin_ttl is 24 h
+            raise ValueError(f"mooncake pin_ttl {self.pin_ttl:g} s must be between 1 s and 24 h")
         self.host = (
             self.host
             or os.environ.get("ARDIT_KV_HOST")
@@ -174,6 +185,7 @@ _PARAMS = {
     "host": str,
     "admin": str,
     "pin": str,
+    "pin_ttl": "duration",
     "segment": "size",
     "local_buffer": "size",
     "buffer": "size",
@@ -187,7 +199,7 @@ _PARAMS = {
 
 def config_from_url(url: str) -> MooncakeConfig:
     """mooncake://MASTER_HOST:PORT?metadata=URL&protocol=tcp&device=&segment=0&buffer=256MB&part=64MB
-    &timeout=60&pin=hard&admin=http://MASTER_HOST:9003&host=THIS_HOST"""
+    &timeout=60&pin=soft&pin_ttl=6h&admin=http://MASTER_HOST:9003&host=THIS_HOST"""
     u, q = parse_query(url)
     if not u.netloc:
         raise ValueError(f"store url {url!r}: no master HOST:PORT after mooncake://")
@@ -200,7 +212,7 @@ def config_from_url(url: str) -> MooncakeConfig:
     for k, v in q.items():
         t = _PARAMS[k]
         try:
-            kw[k] = parse_size(v, k) if t == "size" else t(v)
+            kw[k] = parse_size(v, k) if t == "size" else parse_duration(v, k) if t == "duration" else t(v)
         except ValueError as e:
             raise ValueError(f"store url parameter {k}={v!r}: {e}") from None
     host, _ = _hostport(u.netloc, "mooncake master")
@@ -222,10 +234,43 @@ class _Registered:
             )
 
 
+_GLOG_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\]]+\] |WARNING: Logging before InitGoogleLogging)")
+
+
+class _mooncake_logs:
+    """Route fd 2 into a temp file while Mooncake's C++ code logs (glog, straight to fd 2).
+    Lines that are not glog's are written back to stderr; `errors` keeps glog's E/F lines."""
+
+    def __enter__(self) -> _mooncake_logs:
+        self.errors = ""
+        self.active = os.environ.get("ARDIT_MOONCAKE_LOGS", "") in ("", "0")
+        if self.active:
+            sys.stderr.flush()
+            self.saved = os.dup(2)
+            self.tmp = tempfile.TemporaryFile()
+            os.dup2(self.tmp.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.active:
+            return
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.tmp.seek(0)
+        lines = self.tmp.read().decode(errors="replace").splitlines()
+        self.tmp.close()
+        self.errors = "; ".join(ln.split("] ", 1)[-1] for ln in lines if ln[:1] in "EF" and _GLOG_LINE.match(ln))[-500:]
+        other = [ln for ln in lines if not _GLOG_LINE.match(ln)]
+        if other:
+            print("\n".join(other), file=sys.stderr)
+
+
 class MooncakeStore(KVStore):
     def __init__(self, cfg: MooncakeConfig, url: str | None = None):
         self.cfg = cfg
         self.url = url or f"mooncake://{cfg.master}"
+        self.ttl_s = cfg.pin_ttl if cfg.pin == "soft" else None
         self._ms: Any = None
         self._rcfg: Any = None
         self._buf: _Registered | None = None  # tensor region (put: the whole payload)
@@ -271,18 +316,20 @@ class MooncakeStore(KVStore):
             )
 
             ms = MooncakeDistributedStore()
-            rc = ms.setup(
-                c.host,
-                c.metadata,
-                c.segment,
-                c.local_buffer,
-                c.protocol,
-                c.device,
-                c.master,
-            )
+            with _mooncake_logs() as logs:
+                rc = ms.setup(
+                    c.host,
+                    c.metadata,
+                    c.segment,
+                    c.local_buffer,
+                    c.protocol,
+                    c.device,
+                    c.master,
+                )
             if rc != 0:
                 raise StoreError(
                     f"mooncake setup against master {c.master} failed: {_explain(rc)}"
+                    + (f" ({logs.errors})" if logs.errors else "")
                 )
             rcfg = ReplicateConfig()
             rcfg.replica_num = 1
@@ -292,6 +339,7 @@ class MooncakeStore(KVStore):
                 from mooncake.store import SoftPinAction
 
                 rcfg.soft_pin_action = SoftPinAction.ENABLE
+                rcfg.soft_pin_ttl_ms = int(c.pin_ttl * 1000)
         except StoreError as e:
             self._failed_at, self._failure = time.monotonic(), str(e)
             raise
@@ -668,7 +716,7 @@ class MooncakeStore(KVStore):
 
     def keys(self, prefix: str = "") -> list[str]:
         return sorted(
-            k for k in self._all_keys() if "#" not in k and under_prefix(k, prefix)
+            k for k in self._all_keys() if "#" not in k and k.startswith(prefix)
         )
 
     def raw_keys(self) -> list[str]:
@@ -721,6 +769,7 @@ class MooncakeStore(KVStore):
                 if b is not None:
                     self._ms.unregister_buffer(b.ptr)
             self._buf = self._hbuf = None
-            self._ms.close()
+            with _mooncake_logs():
+                self._ms.close()
             self._ms = None
         self._exec.shutdown(wait=False)

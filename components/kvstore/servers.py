@@ -5,7 +5,11 @@
 - `mooncake_client`: a standalone process that holds the store memory (`segment`), so payloads
   outlive the AR process that put them (the steps themselves contribute 0 bytes).
 
-All processes get `MC_TCP_BIND_ADDRESS=HOST`. `MooncakeServers` is a context manager (tests,
+All processes get `MC_TCP_BIND_ADDRESS=HOST`. Mooncake binds the holder's transfer-engine data
+and handshake ports to the any-address regardless, so on 127.0.0.1 the holder also runs with a
+small LD_PRELOAD shim (native/loopback_bind.c, built with the system C compiler) that turns those
+binds into loopback binds; without a compiler `up` says those ports listen on every interface.
+`MooncakeServers` is a context manager (tests,
 benchmarks); `up()`/`down()` keep a JSON state file (pids, ports, url) so another process can
 stop them (the `ardit store` CLI).
 """
@@ -169,6 +173,8 @@ class MooncakeServers:
         self.start_timeout = start_timeout
         self.master_flags = master_flags
         self._procs: dict[str, subprocess.Popen] = {}
+        self._argv: dict[str, tuple[list[str], str | None]] = {}
+        self.loopback_shim: str | None = None  # set by start() when the holder's binds are confined
         self._own_workdir = (
             not workdir
         )  # a temp dir we made: removed (logs included) on stop
@@ -177,9 +183,24 @@ class MooncakeServers:
     def url(self) -> str:
         return self.state.url
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def restart(self, name: str) -> None:
+        """Kill one server (SIGKILL, as a crash) and start it again with the same command line
+        (tests: a master restart loses every key; clients must cope)."""
+        proc = self._procs[name]
+        proc.kill()
+        proc.wait(timeout=30)
+        argv, preload = self._argv[name]
+        self._spawn(name, argv, preload)
+        if name == "master":
+            s = self.state
+            self._wait("master", lambda: (_http_ok(f"{s.admin_url}/health") or "").find('"ok"') >= 0)
+
+    def _spawn(self, name: str, argv: list[str], preload: str | None = None) -> None:
+        self._argv[name] = (argv, preload)
         s = self.state
         env = dict(os.environ, MC_TCP_BIND_ADDRESS=s.host)
+        if preload:
+            env["LD_PRELOAD"] = " ".join(filter(None, [preload, env.get("LD_PRELOAD")]))
         with open(
             Path(s.workdir) / f"{name}.log", "ab"
         ) as log:  # the child keeps its own copy of the fd
@@ -245,6 +266,8 @@ class MooncakeServers:
                 "metadata",
                 lambda: _http_ok(f"{s.metadata_url}?key=ardit_probe") is not None,
             )
+            self.loopback_shim = (loopback_shim(Path(s.workdir)) if s.host in ("127.0.0.1", "localhost")
+                                  else None)
             self._spawn(
                 "holder",
                 [
@@ -257,6 +280,7 @@ class MooncakeServers:
                     f"-protocol={s.protocol}",
                     *([f"-device_names={self.device}"] if self.device else []),
                 ],
+                preload=self.loopback_shim,
             )
             self._wait(
                 "holder",
@@ -285,6 +309,19 @@ class MooncakeServers:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def loopback_shim(workdir: Path) -> str | None:
+    """Build native/loopback_bind.c into `workdir` (an LD_PRELOAD library); None without a C
+    compiler or when the build fails (the caller then says the ports are not confined)."""
+    source = Path(__file__).with_name("native") / "loopback_bind.c"
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if not cc or not source.is_file():
+        return None
+    out = workdir / "loopback_bind.so"
+    proc = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(source), "-ldl"],
+                          capture_output=True, text=True)
+    return str(out) if proc.returncode == 0 else None
 
 
 def stop_pids(state: ServerState, timeout: float = 10.0) -> list[str]:
@@ -338,6 +375,10 @@ def up(state_dir: str | os.PathLike | None = None, **kw: Any) -> ServerState:
     sf.parent.mkdir(parents=True, exist_ok=True)
     srv = MooncakeServers(workdir=sf.parent, **kw).start()
     sf.write_text(json.dumps(asdict(srv.state), indent=2))
+    if srv.state.host in ("127.0.0.1", "localhost") and not srv.loopback_shim:
+        print("note: no C compiler found, so the segment holder's transfer-engine ports listen on every "
+              "interface (Mooncake binds them to the any-address); install gcc to confine them to 127.0.0.1",
+              file=sys.stderr)
     return srv.state
 
 

@@ -32,6 +32,7 @@ from components.data.datasets import (
     utf8_bytes,
 )
 from components.data.runs import RunLayout, utc_now
+from components.errors import ConfigError
 
 MANIFEST_VERSION = 1
 # What must match for a re-run to be the same sharding.
@@ -39,7 +40,7 @@ _IDENTITY = ("dataset", "dataset_fingerprint", "kind", "num_shards", "max_prompt
 WRITE_BATCH = 256  # rows per Parquet row group in shard files
 
 
-class ShardConflictError(RuntimeError):
+class ShardConflictError(ConfigError):
     """The run id already holds a manifest for a different dataset or different settings."""
 
 
@@ -56,19 +57,13 @@ def run(
 ) -> dict[str, Any]:
     """Shard `dataset` for `run_id`; returns the manifest (the existing one on a no-op re-run)."""
     if num_shards < 1:
-        raise ValueError(f"--num-shards must be >= 1, got {num_shards}")
+        raise ConfigError(f"--num-shards {num_shards}: must be a whole number >= 1")
     layout = RunLayout.open(output, run_id)
     source = read_dataset(dataset)  # footers only; rows are streamed below
-    identity = {"dataset": str(dataset), "dataset_fingerprint": source.fingerprint, "kind": kind,
-                "num_shards": num_shards, "max_prompt_tokens": max_prompt_tokens}
+    identity = shard_identity(dataset, source.fingerprint, kind, num_shards, max_prompt_tokens)
 
-    existing = layout.read_json(layout.manifest_key)
+    existing = check_existing(layout, identity)
     if existing is not None:
-        diff = {k: (existing.get(k), identity[k]) for k in _IDENTITY if existing.get(k) != identity[k]}
-        if diff:
-            details = ", ".join(f"{k}: existing {a!r} vs requested {b!r}" for k, (a, b) in diff.items())
-            raise ShardConflictError(f"run {run_id!r} at {layout.store.url(layout.manifest_key)} was sharded "
-                                     f"differently ({details}); use a new run id")
         return existing  # same inputs: nothing to do
 
     jobs = iter_jobs(source, kind, count_tokens=count_tokens, max_prompt_tokens=max_prompt_tokens,
@@ -92,6 +87,27 @@ def run(
     }
     layout.write_json(layout.manifest_key, manifest)  # last: its presence means "inputs complete"
     return manifest
+
+
+def shard_identity(dataset: str, fingerprint: str, kind: str, num_shards: int,
+                   max_prompt_tokens: int | None) -> dict[str, Any]:
+    """What must match for a re-run to be the same sharding."""
+    return {"dataset": str(dataset), "dataset_fingerprint": fingerprint, "kind": kind, "num_shards": num_shards,
+            "max_prompt_tokens": max_prompt_tokens}
+
+
+def check_existing(layout: RunLayout, identity: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's manifest if it has one for this identity; None if it has none; a
+    ShardConflictError if the run id already belongs to another dataset or sharding."""
+    existing = layout.read_json(layout.manifest_key)
+    if existing is None:
+        return None
+    diff = {k: (existing.get(k), identity[k]) for k in _IDENTITY if existing.get(k) != identity[k]}
+    if diff:
+        details = ", ".join(f"{k}: existing {a!r} vs requested {b!r}" for k, (a, b) in diff.items())
+        raise ShardConflictError(f"run {layout.run_id!r} at {layout.store.url(layout.manifest_key)} was sharded "
+                                 f"differently ({details}); use a new run id (or drop --run-id)")
+    return existing
 
 
 def _write_shard(layout: RunLayout, k: int, jobs: Iterator[Job]) -> dict[str, Any]:

@@ -8,10 +8,16 @@ the rows of the others are reported as `rows_pending`.
 Throughput: `images_per_minute` = ok images / wall time, where wall time runs from the manifest's
 creation (shard step) to the last commit. Time split (sums of the per-row columns, seconds):
 ar = ar_prefill_s + ar_decode_s, kv = kv_put_s + kv_get_s, dit = dit_total_s + vae_decode_s.
+
+KV wait: per shard, `kv_wait_s` is the time the DiT loop waited for KV payloads (what the
+prefetch did not hide) and `kv_wait_fraction` that time over the shard's DiT time (target < 2 %).
+`kv_reasons` counts why rows recomputed (reuse rows have no reason and are not in it).
+Floats are rounded to 4 significant digits.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from datetime import datetime
 from typing import Any
@@ -66,8 +72,11 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
             table = layout.read_rows(k)
             marker = layout.commit_marker(k) or {}
             ok = int(pc.sum(pc.equal(table.column("status"), "ok")).as_py() or 0)
+            dit_s = _sum(table, "dit_total_s") + _sum(table, "vae_decode_s")
+            wait_s = _sum(table, "kv_wait_s")
             info.update(ok=ok, failed=table.num_rows - ok, started_at=marker.get("started_at"),
-                        committed_at=marker.get("committed_at"))
+                        committed_at=marker.get("committed_at"), dit_s=dit_s, kv_wait_s=wait_s,
+                        kv_wait_fraction=(wait_s / dit_s) if dit_s else None)
             tables.append(table.append_column("shard", pa.array([k] * table.num_rows, pa.int64())))
         else:
             pending += entry["rows"]
@@ -111,16 +120,33 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
         "time_split_s": time_split,
         "time_split_fraction": {g: (v / total_time if total_time else None) for g, v in time_split.items()},
         "kv_paths": dict(Counter(ok_rows.column("kv_path").to_pylist())) if ok_rows is not None else {},
-        "kv_reasons": dict(Counter(ok_rows.column("kv_reason").to_pylist())) if ok_rows is not None else {},
+        "kv_reasons": (dict(Counter(r for r in ok_rows.column("kv_reason").to_pylist() if r is not None))
+                       if ok_rows is not None else {}),
+        "kv_wait_fraction": _kv_wait_fraction(shards),
         "means_ok_rows": {c: _mean(ok_rows, c) for c in MEAN_COLUMNS} if ok_rows is not None else {},
         "errors": errors,
         "errors_truncated": max(0, n_failed - len(errors)),
         "created": utc_now(),
     }
-    # JSON keys must be strings: a null kv_path (e.g. not recorded) is listed as "null"
-    summary["kv_paths"] = {str(k): v for k, v in summary["kv_paths"].items()}
-    summary["kv_reasons"] = {str(k): v for k, v in summary["kv_reasons"].items()}
-    return summary
+    # JSON keys must be strings: a null kv_path (not recorded) is listed as "unknown"
+    summary["kv_paths"] = {("unknown" if k is None else str(k)): v for k, v in summary["kv_paths"].items()}
+    return _rounded(summary)
+
+
+def _kv_wait_fraction(shards: list[dict[str, Any]]) -> float | None:
+    dit = sum(s.get("dit_s") or 0.0 for s in shards)
+    return sum(s.get("kv_wait_s") or 0.0 for s in shards) / dit if dit else None
+
+
+def _rounded(value: Any) -> Any:
+    """Floats to 4 significant digits, all the way down."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}") if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def run(output: str, run_id: str) -> dict[str, Any]:

@@ -81,7 +81,7 @@ def make_app(job_runner: Callable[[], JobRunner]) -> typer.Typer:
         sweep_dir: Annotated[
             Path, typer.Argument(help="a sweep directory ({output}/{sweep_id})", exists=True, file_okay=False)
         ],
-        out: Annotated[Path | None, typer.Option("--out", help="HTML file (default SWEEP_DIR/report.html)")] = None,
+        out: Annotated[Path | None, typer.Option("--output", "-o", "--out", help="HTML file (default SWEEP_DIR/report.html)")] = None,
         max_rows: Annotated[int, typer.Option(help="rows shown as image grids (worst first)")] = 24,
     ) -> None:
         """Write the self-contained HTML report of a finished sweep."""

@@ -1,0 +1,42 @@
+"""Errors that mean "fix the command or its setup": caught before any work, one line, exit code 2.
+
+Every CLI and step program turns a ConfigError into one line on stderr (what, where, how to fix)
+and exit code 2; orchestrators never retry exit code 2. Everything else is a runtime failure.
+"""
+
+from __future__ import annotations
+
+# import name of an optional dependency -> the extra that brings it
+EXTRAS = {
+    "boto3": "s3",
+    "botocore": "s3",
+    "s3transfer": "s3",
+    "mooncake": "mooncake",
+    "kfp": "orchestration",
+    "kfp_server_api": "orchestration",
+    "hera": "orchestration",
+    "kubernetes": "orchestration",
+    "skimage": "sweep",
+    "matplotlib": "sweep",
+}
+
+
+class ConfigError(Exception):
+    """A usage or configuration problem found before any work started (exit code 2)."""
+
+
+class MissingExtraError(ConfigError):
+    """An optional dependency is not installed."""
+
+
+def missing_extra(exc: ImportError, what: str = "this") -> MissingExtraError | None:
+    """A MissingExtraError naming `pip install 'ardit[X]'` if `exc` is a missing optional
+    dependency we know, else None (a real import bug stays a bug)."""
+    name = (getattr(exc, "name", None) or "").split(".")[0]
+    extra = EXTRAS.get(name)
+    if extra is None:
+        if "libibverbs" in str(exc):  # the mooncake wheel is there, its system library is not
+            return MissingExtraError(f"{what} needs the system library libibverbs: apt-get install libibverbs1")
+        return None
+    hint = " (and apt-get install libibverbs1)" if extra == "mooncake" else ""
+    return MissingExtraError(f"{what} needs the optional package {name!r}: pip install 'ardit[{extra}]'{hint}")

@@ -1,0 +1,150 @@
+"""Progress of the shard steps: rich bars on a terminal, plain log lines anywhere else.
+
+The AR and DiT steps call `task = progress.add_task(label, total)`, `progress.advance(task, n)`
+and `progress.finish(task)` (or `progress.skip(label, why)` when resuming leaves them nothing). On a TTY that draws rich bars; in CI logs and pods (stderr not a
+TTY) it writes one line when a shard step ends, with rows done, rows/s and the ETA of the job,
+and a line every `interval_s` while a long step runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+@dataclass
+class _Task:
+    label: str
+    total: int
+    done: int = 0
+    t0: float = field(default_factory=time.monotonic)
+    last_log: float = field(default_factory=time.monotonic)
+
+
+class LogProgress:
+    """One line per finished shard step (and every `interval_s` within a long one).
+
+    `job_steps`: how many shard steps the whole job has (for the job's ETA); 0 = unknown."""
+
+    def __init__(self, stream: TextIO | None = None, interval_s: float = 30.0, job_steps: int = 0):
+        self.stream = stream or sys.stderr
+        self.interval_s = interval_s
+        self.job_steps = job_steps
+        self.steps_done = 0
+        self.t0 = time.monotonic()
+
+    def __enter__(self) -> LogProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def _line(self, text: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", file=self.stream, flush=True)
+
+    def add_task(self, label: str, total: int) -> _Task:
+        return _Task(label, total)
+
+    def advance(self, task: _Task, n: int = 1) -> None:
+        task.done += n
+        now = time.monotonic()
+        if now - task.last_log >= self.interval_s and task.done < task.total:
+            task.last_log = now
+            rate = task.done / max(now - task.t0, 1e-9)
+            eta = (task.total - task.done) / rate if rate > 0 else float("inf")
+            self._line(f"{task.label}: {task.done}/{task.total} rows, {rate:.2f} rows/s, ETA {_duration(eta)}")
+
+    def finish(self, task: _Task) -> None:
+        elapsed = time.monotonic() - task.t0
+        rate = task.done / elapsed if elapsed > 0 else 0.0
+        self._line(f"{task.label}: {task.done}/{task.total} rows in {_duration(elapsed)} ({rate:.2f} rows/s)"
+                   + self._job())
+
+    def skip(self, label: str, why: str) -> None:
+        """A shard step with nothing to do (resume)."""
+        self._line(f"{label}: skipped ({why})" + self._job())
+
+    def _job(self) -> str:
+        self.steps_done += 1
+        if not self.job_steps:
+            return ""
+        left = max(0, self.job_steps - self.steps_done)
+        eta = (time.monotonic() - self.t0) / self.steps_done * left
+        return f"; job: {self.steps_done}/{self.job_steps} shard steps, ETA {_duration(eta)}"
+
+
+class RichProgress:
+    """rich bars (label, bar, done/total, elapsed, remaining)."""
+
+    def __init__(self, job_steps: int = 0):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+
+    def __enter__(self) -> RichProgress:
+        self.bars.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bars.__exit__(*exc)
+
+    def add_task(self, label: str, total: int) -> Any:
+        return self.bars.add_task(label, total=total)
+
+    def advance(self, task: Any, n: int = 1) -> None:
+        self.bars.advance(task, n)
+
+    def finish(self, task: Any) -> None:
+        self.bars.refresh()
+
+    def skip(self, label: str, why: str) -> None:
+        self.bars.console.print(f"{label}: skipped ({why})")
+
+
+class NoProgress:
+    def __enter__(self) -> NoProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def add_task(self, label: str, total: int) -> None:
+        return None
+
+    def advance(self, task: Any, n: int = 1) -> None:
+        pass
+
+    def finish(self, task: Any) -> None:
+        pass
+
+    def skip(self, label: str, why: str) -> None:
+        pass
+
+
+def make_progress(mode: bool | str = "auto", job_steps: int = 0) -> LogProgress | RichProgress | NoProgress:
+    """"auto": rich bars when stderr is a terminal, log lines otherwise; True: the same;
+    False: nothing; "log" / "rich": that one."""
+    if mode is False or mode == "none":
+        return NoProgress()
+    if mode == "log" or (mode in (True, "auto") and not sys.stderr.isatty()):
+        return LogProgress(job_steps=job_steps)
+    return RichProgress(job_steps=job_steps)
