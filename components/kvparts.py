@@ -19,6 +19,20 @@ from typing import Any
 from components.engine.kvcache import PromptKV
 
 
+def rank_heads(engine: Any) -> tuple[int, int, int, bool]:
+    """(first, last, total, writes): the KV heads this rank's engine holds, and whether it is the
+    rank that stores them (ranks that replicate a KV head, and a CFG-parallel group's twin, do not)."""
+    cfg, parallel = engine.config, getattr(engine, "parallel", None)
+    total = cfg.num_key_value_heads
+    if parallel is None or parallel.world_size == 1:
+        return 0, total, total, parallel is None or parallel.cfg_rank == 0
+    from components.engine.parallel import kv_head_range
+
+    first, last = kv_head_range(total, cfg.num_attention_heads, parallel.world_size, parallel.rank)
+    replicas = max(1, parallel.world_size // total)
+    return first, last, total, parallel.rank % replicas == 0 and parallel.cfg_rank == 0
+
+
 def head_key(key: str, head: int) -> str:
     return f"{key}.h{head}"
 
@@ -28,24 +42,34 @@ def _slice(kv: PromptKV, first: int, last: int) -> PromptKV:
                     kv.pos_reuse_len, kv.neg_reuse_len, kv.model_id, kv.config_hash, dict(kv.meta))
 
 
-def put_heads(store: Any, key: str, kv: PromptKV, first: int, total: int, writes: bool = True) -> int:
-    """Store this rank's KV (heads [first, first + local)); returns bytes written.
+def put_heads(store: Any, key: str, kv: PromptKV, first: int, total: int, writes: bool = True,
+              written: list[str] | None = None) -> int:
+    """Store this rank's KV (heads [first, first + local)); returns bytes written and appends the
+    keys it wrote to `written`.
 
     writes=False: a rank whose heads another rank already writes (a replicated KV head)."""
     local = kv.keys[0].shape[1]
     if not writes:
         return 0
     if first == 0 and local == total:
-        return store.put(key, kv)
-    return sum(store.put(head_key(key, first + i), _slice(kv, i, i + 1)) for i in range(local))
+        size = store.put(key, kv)
+        if written is not None:
+            written.append(key)
+        return size
+    size = 0
+    for i in range(local):
+        size += store.put(head_key(key, first + i), _slice(kv, i, i + 1))
+        if written is not None:
+            written.append(head_key(key, first + i))
+    return size
 
 
 def get_heads(store: Any, key: str, first: int, last: int, total: int, expect_model_id: str | None = None,
-              expect_config_hash: str | None = None) -> Any:
+              expect_config_hash: str | None = None, device: str | None = None) -> Any:
     """A GetResult with KV heads [first, last): from the whole payload, else from the head parts."""
     from components.kvstore.base import GetResult
 
-    whole = store.get(key, expect_model_id, expect_config_hash)
+    whole = store.get(key, expect_model_id, expect_config_hash, device=device)
     if whole.ok:
         kv = whole.kv
         if kv.keys[0].shape[1] != total:
@@ -53,7 +77,8 @@ def get_heads(store: Any, key: str, first: int, last: int, total: int, expect_mo
         return whole if (first, last) == (0, total) else GetResult(_slice(kv, first, last), whole.reason)
     if whole.code != "missing":
         return whole
-    parts = store.get_many([head_key(key, h) for h in range(first, last)], expect_model_id, expect_config_hash)
+    parts = [store.get(head_key(key, h), expect_model_id, expect_config_hash, device=device)
+             for h in range(first, last)]
     for head, part in zip(range(first, last), parts):
         if not part.ok:
             return GetResult(None, f"{part.reason} (KV head {head} of {total})" if part.code != "missing"

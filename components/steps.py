@@ -386,6 +386,24 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "kv_store": kv_store, "device": resolve_device(args.device), "dtype": args.dtype, "seed": args.seed}
 
 
+def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_parallel: bool = False) -> Any:
+    """Call a step's `run` (`module:function`) in this process, or, with tensor_parallel_size N > 1
+    (or a CFG-parallel DiT), on N rank processes that components.ranks starts: every rank computes,
+    rank 0 reads and writes. Returns rank 0's result."""
+    import importlib
+
+    world = int(kwargs.get("tensor_parallel_size") or 1)
+    if world == 1 and not cfg_parallel:
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)(**kwargs, progress=progress)
+    from components.ranks import run_on_ranks
+
+    try:
+        return run_on_ranks(target, kwargs, world, kwargs.get("device", "cpu"), cfg_parallel=cfg_parallel)
+    except ValueError as exc:  # more ranks than GPUs, an odd CFG-parallel size
+        raise ConfigError(str(exc)) from None
+
+
 def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
     """Run a step program's body: a ConfigError (or a missing extra) is one line and exit code 2;
     Ctrl-C is exit code 130; anything else propagates (a traceback in the pod log, exit 1, and the
@@ -407,3 +425,11 @@ def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
         print(f"{prog}: interrupted; committed rows are kept, run the same command again to resume",
               file=sys.stderr)
         return 130
+    except Exception as exc:
+        from components.ranks import RankFailed
+
+        if not isinstance(exc, RankFailed) or debug:
+            raise
+        print(f"{prog}: error: {exc}; nothing of this shard was committed, run the same command again to "
+              "resume", file=sys.stderr)
+        return 1

@@ -26,11 +26,10 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     depends on is checked before any work (ConfigError, one line); resuming a run with other
     settings is refused (SettingsConflictError, a ConfigError). `on_start` is called once the
     checks passed, before any work."""
-    from components.ar.run import run as run_ar
-    from components.dit.run import run as run_dit
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
+    from components.steps import run_step
     from components.summary.run import run as run_summary
 
     generation = dict(steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
@@ -58,13 +57,15 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
     with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2)) as bars:
         for shard in todo:
+            # each step runs here, or on its tensor-parallel ranks (the engine loads once per step then)
             if not ar_from_run:
-                run_ar(output, run_id, shard, batch_size=batch_size, export_kv=kv_reuse, progress=bars,
-                       **{k: gen[k] for k in ("bot_task", "system_prompt", "max_new_tokens", "temperature",
-                                              "top_k", "top_p")}, **engine)
-            run_dit(output, run_id, shard, steps=gen["steps"], guidance=gen["guidance"],
-                    flow_shift=gen["flow_shift"], kv_reuse=kv_reuse, save_latents=save_latents, progress=bars,
-                    **engine)
+                run_step("components.ar.run:run", dict(
+                    output=output, run_id=run_id, shard=shard, batch_size=batch_size, export_kv=kv_reuse,
+                    **{k: gen[k] for k in ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k",
+                                           "top_p")}, **engine), bars)
+            run_step("components.dit.run:run", dict(
+                output=output, run_id=run_id, shard=shard, steps=gen["steps"], guidance=gen["guidance"],
+                flow_shift=gen["flow_shift"], kv_reuse=kv_reuse, save_latents=save_latents, **engine), bars)
     summary = run_summary(output, run_id)
     summary.setdefault("wall_s", round(time.perf_counter() - t0, 3))
     return summary

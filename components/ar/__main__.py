@@ -16,6 +16,7 @@ from components.steps import (
     optional_float,
     optional_int,
     optional_str,
+    run_step,
     step_main,
 )
 
@@ -37,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        from components.ar.run import run
         from components.progress import make_progress
 
-        with make_progress("auto") as progress:
-            result = run(args.output, args.run_id, args.shard, batch_size=args.batch_size, bot_task=args.bot_task,
-                         system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
-                         progress=progress, **engine_kwargs(args))
+        kwargs = dict(output=args.output, run_id=args.run_id, shard=args.shard, batch_size=args.batch_size,
+                      bot_task=args.bot_task, system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+                      **engine_kwargs(args))
+        with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
+            result = run_step("components.ar.run:run", kwargs, progress)
         print(json.dumps(result))
         return 0
 

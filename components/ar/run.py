@@ -23,7 +23,7 @@ from typing import Any
 from components.data.ar_outputs import read_ar_rows, write_ar_rows
 from components.data.runs import RunLayout
 from components.kvstore.base import delete_quietly
-from components.progress import NoProgress
+from components.progress import LogProgress, NoProgress
 from components.steps import (
     AR_SETTINGS,
     check_engine_options,
@@ -59,9 +59,11 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                          seed=seed, batch_size=batch_size, device=device)
     gen = resolve_generation(model, greedy=greedy, bot_task=bot_task, system_prompt=system_prompt,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
     layout = RunLayout.open(output, run_id)
-    layout.remember_settings("ar", ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
-    progress = progress or NoProgress()
+    if owner:
+        layout.remember_settings("ar", ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
+    progress = progress or (LogProgress() if parallel is not None and owner else NoProgress())
     pending, skipped = [], None
     if layout.is_committed(shard):
         skipped = "committed"
@@ -80,7 +82,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                               max_new_tokens=gen["max_new_tokens"])
     task = progress.add_task(f"AR  shard {shard}", len(pending))
     rows: list[dict[str, Any]] = []
-    puts = _BackgroundPuts(store)
+    puts = _BackgroundPuts(store, engine)
     puts.expire_orphans()
     try:
         for start in range(0, len(pending), batch_size):
@@ -104,7 +106,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             puts.flush()  # this batch's payloads go out while the next batch decodes
             progress.advance(task, len(batch))
         puts.wait()
-        write_ar_rows(layout, shard, rows)
+        if owner:
+            write_ar_rows(layout, shard, rows)
     except BaseException:
         puts.abandon()  # on the way out: payloads nobody will read are deleted now
         raise
@@ -123,12 +126,16 @@ class _BackgroundPuts:
     the KV of two batches at most. A row's kv_key / kv_bytes / kv_put_s / kv_error are filled in
     when its put finishes; a failed put leaves kv_error (the DiT step recomputes and says why)."""
 
-    def __init__(self, store: Any):
+    def __init__(self, store: Any, engine: Any = None):
+        from components.kvparts import rank_heads
+
         self.store = store
+        # under tensor parallelism each rank stores only its KV heads (components/kvparts.py)
+        self.heads = rank_heads(engine) if engine is not None else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-put") if store is not None else None
         self.queued: list[tuple[dict[str, Any], str, Any]] = []
         self.in_flight: list[tuple[dict[str, Any], str, Future]] = []
-        self.stored: list[str] = []  # keys put so far (deleted if the step fails)
+        self.stored: list[str] = []  # keys put so far, head parts included (deleted if the step fails)
         self.waited_s = 0.0  # time the decode loop spent waiting for puts
 
     def expire_orphans(self) -> None:
@@ -151,9 +158,16 @@ class _BackgroundPuts:
         self.queued.append((row, key, kv))
 
     def _put(self, key: str, kv: Any) -> tuple[int | None, float, str | None]:
+        from components.kvparts import put_heads
+
         t0 = time.perf_counter()
         try:
-            return self.store.put(key, kv), time.perf_counter() - t0, None
+            if self.heads is None:
+                size = self.store.put(key, kv)
+                self.stored.append(key)
+                return size, time.perf_counter() - t0, None
+            first, _, total, writes = self.heads
+            return put_heads(self.store, key, kv, first, total, writes, self.stored), time.perf_counter() - t0, None
         except Exception as e:  # noqa: BLE001 - the DiT step will recompute and say why
             return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
 
@@ -169,7 +183,6 @@ class _BackgroundPuts:
             row["kv_put_s"] = put_s
             if error is None:
                 row["kv_key"], row["kv_bytes"] = key, size
-                self.stored.append(key)
             else:
                 row["kv_error"] = error
         self.waited_s += time.perf_counter() - t0
@@ -194,13 +207,19 @@ def _generate(engine, requests, sampling, export_kv: bool = True) -> list:
     """Outputs for a batch; if the batch fails, rows one by one so a bad row names itself."""
     if not requests:
         return []
+    from components.engine.parallel import RankLost
+
     try:
         return engine.generate_ar(requests, sampling, export_kv)
+    except RankLost:
+        raise  # another rank died: the step fails, nothing is committed
     except Exception:  # noqa: BLE001
         results = []
         for r in requests:
             try:
                 results.append(engine.generate_ar([r], sampling, export_kv)[0])
+            except RankLost:
+                raise
             except Exception as e:  # noqa: BLE001
                 results.append(e)
         return results

@@ -14,6 +14,7 @@ from components.steps import (
     engine_kwargs,
     optional_float,
     optional_int,
+    run_step,
     step_main,
 )
 
@@ -28,16 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kv-reuse", action="store_true", help="always recompute the prompt K/V")
     p.add_argument("--save-latents", action="store_true", help="also write shards/{k}/latents/{row}.pt")
     p.add_argument("--no-prefetch", action="store_true", help="fetch each row's KV only when it is needed")
+    p.add_argument("--cfg-parallel", action="store_true",
+                   help="with --tensor-parallel-size N (even): the cond and uncond CFG rows on two groups of N/2 "
+                        "GPUs (models with CFG, not Distil)")
     args = p.parse_args(argv)
 
     def body() -> int:
-        from components.dit.run import run
         from components.progress import make_progress
 
-        with make_progress("auto") as progress:
-            result = run(args.output, args.run_id, args.shard, steps=args.steps, guidance=args.guidance,
-                         flow_shift=args.flow_shift, kv_reuse=not args.no_kv_reuse, save_latents=args.save_latents,
-                         prefetch=not args.no_prefetch, progress=progress, **engine_kwargs(args))
+        kwargs = dict(output=args.output, run_id=args.run_id, shard=args.shard, steps=args.steps,
+                      guidance=args.guidance, flow_shift=args.flow_shift, kv_reuse=not args.no_kv_reuse,
+                      save_latents=args.save_latents, prefetch=not args.no_prefetch, **engine_kwargs(args))
+        with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
+            result = run_step("components.dit.run:run", kwargs, progress, cfg_parallel=args.cfg_parallel)
         print(json.dumps(result, default=str))
         return 0
 

@@ -27,7 +27,7 @@ from typing import Any
 from components.data.ar_outputs import read_ar_rows
 from components.data.runs import RunLayout, ShardWriter, row_key
 from components.kvstore.base import delete_quietly
-from components.progress import NoProgress
+from components.progress import LogProgress, NoProgress
 from components.steps import (
     DIT_SETTINGS,
     check_engine_options,
@@ -60,9 +60,11 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          seed=seed, device=device)
     gen = resolve_generation(model, steps=steps, guidance=guidance, flow_shift=flow_shift)
+    owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
     layout = RunLayout.open(output, run_id)
-    layout.remember_settings("dit", dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
-    progress = progress or NoProgress()
+    if owner:
+        layout.remember_settings("dit", dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
+    progress = progress or (LogProgress() if parallel is not None and owner else NoProgress())
     if layout.is_committed(shard):
         progress.skip(f"DiT shard {shard}", "committed")
         return {"shard": shard, "skipped": "committed"}
@@ -72,8 +74,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
                          parallel)
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
-    kv_io = _KVReader(store, engine, kv_reuse)
-    out_io = _RowWriter(writer, layout, shard, save_latents, kv_io)
+    kv_io = _KVReader(store, engine, kv_reuse, deletes=owner)
+    out_io = _RowWriter(writer, layout, shard, save_latents, kv_io, enabled=owner)
     task = progress.add_task(f"DiT shard {shard}", len(pending))
     fetches: dict[int, Future] = {}
 
@@ -101,7 +103,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             out_io.check()
             progress.advance(task, 1)
         out_io.drain()
-        marker = writer.commit()
+        marker = writer.commit() if owner else {}
         kv_io.forget(f"{run_id}/{shard}", prefix=True)
     finally:
         out_io.close()  # a row being written is finished (it is atomic either way), then stop
@@ -138,6 +140,10 @@ def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: s
                                     guidance_scale=gen["guidance"], flow_shift=gen["flow_shift"],
                                     seed=job.effective_seed(seed)))
     except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
+        from components.engine.parallel import RankLost
+
+        if isinstance(e, RankLost):
+            raise  # another rank died: the step fails, nothing is committed
         out_io.error(job.id, f"DiT failed: {type(e).__name__}: {e}", key)
         return
     t = out.timings
@@ -158,8 +164,11 @@ class _KVReader:
     (prefetch), deletes of consumed payloads run behind it. One thread, so the store client
     (not thread-safe) is only ever used by one thread at a time."""
 
-    def __init__(self, store: Any, engine: Any, kv_reuse: bool):
-        self.store, self.engine, self.kv_reuse = store, engine, kv_reuse
+    def __init__(self, store: Any, engine: Any, kv_reuse: bool, deletes: bool = True):
+        from components.kvparts import rank_heads
+
+        self.store, self.engine, self.kv_reuse, self.deletes = store, engine, kv_reuse, deletes
+        self.heads = rank_heads(engine)  # this rank's KV heads under tensor parallelism
         self.device = str(engine.model.device)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-io")
         self.deletes_failed = 0
@@ -183,16 +192,21 @@ class _KVReader:
 
     def _get(self, key: str) -> tuple[Any, str, float]:
         t0 = time.perf_counter()
-        expect = dict(expect_model_id=self.engine.model_id, expect_config_hash=self.engine.config_hash)
+        first, last, total, _ = self.heads
+        from components.kvparts import get_heads
+
+        def get():  # this rank's heads: from the whole payload, or the head parts of a parallel AR
+            return get_heads(self.store, key, first, last, total, self.engine.model_id, self.engine.config_hash,
+                             device=self.device)
         if self.device.startswith("cuda"):
             import torch
 
             stream = torch.cuda.Stream(device=self.device)  # copies to the GPU beside the DiT's kernels
             with torch.cuda.stream(stream):
-                got = self.store.get(key, device=self.device, **expect)
+                got = get()
             stream.synchronize()
         else:
-            got = self.store.get(key, device=self.device, **expect)
+            got = get()
         return got.kv, ("" if got.ok else f"KV {got.reason}"), time.perf_counter() - t0
 
     @staticmethod
@@ -205,7 +219,11 @@ class _KVReader:
 
     def forget(self, key: str, prefix: bool = False) -> None:
         """Delete a consumed payload behind the loop; a store that is down or restarting is
-        retried, then left to the TTL (never an error of the row or the shard)."""
+        retried, then left to the TTL (never an error of the row or the shard). Head parts of a
+        tensor-parallel AR go with the shard's prefix delete at commit. Only the owner rank deletes."""
+        if not self.deletes:
+            return
+
         def delete() -> None:
             error = delete_quietly(self.store, key, prefix=prefix)
             if error:
@@ -222,7 +240,9 @@ class _RowWriter:
     """Writes finished rows (PNG, then record; latents) on a background thread, in order, while
     the next row denoises; a write that failed is raised by the next `check()`."""
 
-    def __init__(self, writer: ShardWriter, layout: RunLayout, shard: int, save_latents: bool, kv_io: _KVReader):
+    def __init__(self, writer: ShardWriter, layout: RunLayout, shard: int, save_latents: bool, kv_io: _KVReader,
+                 enabled: bool = True):
+        self.enabled = enabled  # False on tensor-parallel ranks other than the owner: they write nothing
         self.writer, self.layout, self.shard = writer, layout, shard
         self.save_latents, self.kv_io = save_latents, kv_io
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="row-writer")
@@ -231,6 +251,8 @@ class _RowWriter:
 
     def ok(self, row_id: str, image: Any, latents: Any, key: str, metrics: dict[str, Any]) -> None:
         self.kv_wait_s += metrics["kv_wait_s"]
+        if not self.enabled:
+            return
 
         def write() -> None:
             self.writer.record_ok(row_id, image, **metrics)
@@ -247,6 +269,9 @@ class _RowWriter:
         self.futures.append(self.pool.submit(write))
 
     def error(self, row_id: str, error: str, key: str) -> None:
+        if not self.enabled:
+            return
+
         def write() -> None:
             self.writer.record_error(row_id, error)
             self.kv_io.forget(key)

@@ -125,17 +125,22 @@ class DiTGenerator:
         seed = self.seed(req)
         generator = request_generator(self.model, seed)
         kv_path, reason, cache = "recompute", req.absent_reason or "no KV given", None
+        problem = reason
         if req.prompt_kv is not None:
             problem = self.check_kv(req.prompt_kv, seq)
             if not problem and seq.cond_images and ar.seed is not None and seed != ar.seed:
                 # the K/V holds conditioning latents drawn from the AR's stream; a recompute draws them
                 # from this request's stream (official DiT pass)
                 problem = f"seed {seed} differs from the AR's {ar.seed}, which drew the conditioning latents"
-            if problem:
-                reason = problem
-            else:
-                cache = self.prefix_from_reuse(seq, req.prompt_kv, req.images, cfg_on, generator)
-                kv_path, reason = "reuse", ""
+        parallel = getattr(self.model, "parallel", None)
+        if parallel is not None and parallel.world_size > 1 and not parallel.all_true(not problem):
+            # the ranks of a tensor-parallel group take the same path (their collectives must match)
+            problem = problem or "another tensor-parallel rank could not use its KV heads"
+        if req.prompt_kv is not None and problem:
+            reason = problem
+        elif req.prompt_kv is not None:
+            cache = self.prefix_from_reuse(seq, req.prompt_kv, req.images, cfg_on, generator)
+            kv_path, reason = "reuse", ""
         if cache is None:
             cache = self.prefix_from_scratch(seq, req.images, cfg_on, generator)
         timings["dit_prefix_s"] = time.perf_counter() - t0

@@ -34,6 +34,22 @@ from .transformer import moe_grouped, moe_loop
 from .weights import LoadSlices
 
 
+class RankLost(RuntimeError):
+    """A collective failed: another rank of the group died or hung. Never a row's own error: the
+    step stops (nothing of the shard is committed) and the launcher reports the rank that failed."""
+
+
+def _collective(fn):
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RankLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+            raise RankLost(f"a tensor-parallel collective failed ({type(e).__name__}: {e})") from e
+    return wrapped
+
+
 @dataclass
 class ParallelContext:
     """This rank's place in the tensor-parallel group (and, for a CFG-parallel DiT step, which CFG
@@ -52,6 +68,7 @@ class ParallelContext:
         """The rank that reads the shard and writes the outputs."""
         return self.rank == 0 and self.cfg_rank == 0
 
+    @_collective
     def gather_cfg(self, row: torch.Tensor) -> torch.Tensor:
         """[cond; uncond] from this group's row and the twin group's row (same on every rank)."""
         import torch.distributed as dist
@@ -60,6 +77,7 @@ class ParallelContext:
         dist.all_gather(parts, row.contiguous(), group=self.cfg_group)
         return torch.cat(parts)
 
+    @_collective
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             import torch.distributed as dist
@@ -67,6 +85,7 @@ class ParallelContext:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    @_collective
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size > 1:
             import torch.distributed as dist
@@ -74,6 +93,7 @@ class ParallelContext:
             dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 
+    @_collective
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (so ranks take the same branch)."""
         if self.world_size == 1:
@@ -84,6 +104,7 @@ class ParallelContext:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
+    @_collective
     def broadcast_object(self, obj, src: int = 0):
         """A picklable object from rank `src` to every rank (rank 0 reads, everyone computes)."""
         if self.world_size == 1:

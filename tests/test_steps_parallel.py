@@ -1,0 +1,95 @@
+"""Step programs on tensor-parallel ranks (CPU, gloo), through real jobs on the embedded stores.
+
+- a whole job at --tensor-parallel-size 2 gives the one-process images (>= 60 dB) with KV reused;
+- the AR at TP2 feeds a DiT at TP1 (head parts of one payload), and the AR at TP1 a DiT at TP2;
+- a killed rank fails the DiT step with a clear error and commits nothing; a re-run resumes and
+  every row ends exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from components.data.runs import RunLayout
+from components.ranks import RankFailed
+from components.steps import model_validators, run_step
+
+from .test_engine_helpers import psnr
+
+GEN = dict(steps=2, guidance=5.0, flow_shift=3.0)
+AR = dict(bot_task="think_recaption", system_prompt="en_unified", max_new_tokens=6, temperature=0.0, top_k=0,
+          top_p=1.0)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from components.data.sample import write_sample_edit_dataset
+
+    return str(write_sample_edit_dataset(tmp_path_factory.mktemp("data") / "edit.parquet", n=2))
+
+
+def _shard(dataset: str, output: str, run_id: str) -> None:
+    from components.shard.run import run as run_shard
+
+    count, supported, budget = model_validators("tiny")
+    run_shard(dataset, output, run_id, 1, "edit", count_tokens=count, is_supported_size=supported,
+              max_prompt_tokens=budget)
+
+
+def _job(dataset: str, output: str, run_id: str, ar_tp: int, dit_tp: int, **dit_extra) -> None:
+    _shard(dataset, output, run_id)
+    common = dict(output=output, run_id=run_id, shard=0, model="tiny", device="cpu", seed=0)
+    run_step("components.ar.run:run", {**common, **AR, "tensor_parallel_size": ar_tp})
+    run_step("components.dit.run:run", {**common, **GEN, "tensor_parallel_size": dit_tp, **dit_extra})
+
+
+def _rows(output: str, run_id: str) -> dict[str, dict]:
+    return {r["id"]: r for r in RunLayout.open(output, run_id).read_rows(0).to_pylist()}
+
+
+def _image(output: str, run_id: str, row: dict):
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(RunLayout.open(output, run_id).store.get_bytes(row["image_key"]))).convert("RGB")
+
+
+@pytest.fixture(scope="module")
+def baseline(dataset, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("runs"))
+    _job(dataset, out, "tp1", 1, 1)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ar_tp,dit_tp", [(2, 2), (2, 1), (1, 2)])
+def test_parallel_steps_match_one_process(dataset, baseline, tmp_path, ar_tp, dit_tp):
+    out = str(tmp_path)
+    _job(dataset, out, "tp", ar_tp, dit_tp)
+    ref, got = _rows(baseline, "tp1"), _rows(out, "tp")
+    assert set(got) == set(ref) and all(r["status"] == "ok" for r in got.values())
+    for row_id, row in got.items():
+        assert row["kv_path"] == "reuse", row["kv_reason"]
+        assert row["cot_text"] == ref[row_id]["cot_text"]
+        assert psnr(_image(out, "tp", row), _image(baseline, "tp1", ref[row_id])) >= 60
+    import os
+
+    kv_dir = os.path.join(out, "tp", "_kv")  # the embedded KV store: every payload consumed
+    assert not os.path.exists(kv_dir) or not any(files for _, _, files in os.walk(kv_dir))
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_step_and_a_rerun_resumes(dataset, baseline, tmp_path):
+    out = str(tmp_path)
+    _shard(dataset, out, "kill")
+    common = dict(output=out, run_id="kill", shard=0, model="tiny", device="cpu", seed=0)
+    run_step("components.ar.run:run", {**common, **AR, "tensor_parallel_size": 2})
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 failed: exited with code -9 \(killed or crashed\)"):
+        run_step("tests.parallel_targets:dit_killing_rank1", {**common, **GEN, "tensor_parallel_size": 2})
+    layout = RunLayout.open(out, "kill")
+    assert not layout.is_committed(0)
+    run_step("components.dit.run:run", {**common, **GEN, "tensor_parallel_size": 2})
+    assert layout.is_committed(0)
+    rows = _rows(out, "kill")
+    assert sorted(rows) == sorted(_rows(baseline, "tp1")) and all(r["status"] == "ok" for r in rows.values())
