@@ -48,18 +48,6 @@ GENERATION_FIELDS = {
 AR_SETTINGS = ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k", "top_p")
 DIT_SETTINGS = ("steps", "guidance", "flow_shift")
 
-# Used only while components.engine.generation_config is not there (CONTRACTS.md values).
-_FALLBACK_GENERATION = {
-    "tiny": {"steps": 8, "guidance": 5.0, "flow_shift": 3.0, "bot_task": "think_recaption",
-             "system_prompt": "en_unified", "max_new_tokens": 32, "temperature": 0.6, "top_k": 1024,
-             "top_p": 0.95},
-    # official base / Instruct-Distil generation configs (reference notes, "Defaults")
-    None: {"steps": 50, "guidance": 5.0, "flow_shift": 3.0, "bot_task": "think_recaption",
-           "system_prompt": "en_unified", "max_new_tokens": 2048, "temperature": 0.6, "top_k": 1024,
-           "top_p": 0.95},
-}
-
-
 # ------------------------------------------------------------------------------ model and engine
 
 
@@ -73,40 +61,15 @@ class ModelRef:
 
 
 def resolve_model(model: str) -> ModelRef:
-    """Preset, checkpoint directory or Hugging Face repo id -> ModelRef; ConfigError otherwise.
+    """Preset, checkpoint directory or Hugging Face repo id (local cache) -> ModelRef; ConfigError
+    (one line saying how to fix it) otherwise."""
+    from components.engine import resolve as engine_resolve
 
-    Uses `components.engine.resolve.resolve_model` when it exists (the lead's; it knows about
-    downloads), else the presets and directories this checkout knows."""
     try:
-        from components.engine import resolve as engine_resolve
-    except ImportError:
-        engine_resolve = None
-    if engine_resolve is not None:
-        try:
-            r = engine_resolve.resolve_model(model)
-        except engine_resolve.ModelNotFound as exc:
-            raise ConfigError(f"--model {model}: {exc}") from None
-        path = Path(r.path) if getattr(r, "path", None) else None
-        return ModelRef(r.kind, r.name, path if r.kind == "dir" else None)
-    from components.engine.config import PRESETS
-
-    if model in PRESETS:
-        return ModelRef("preset", model)
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"--model {model}: the directory has no config.json (is it a HunyuanImage-3 "
-                              "checkpoint? download one with `hf download tencent/HunyuanImage-3.0-Instruct "
-                              "--local-dir DIR`)")
-        return ModelRef("dir", path.name, path.resolve())
-    if path.exists():
-        raise ConfigError(f"--model {model}: is a file; give a preset ({', '.join(sorted(PRESETS))}) or a "
-                          "checkpoint directory")
-    looks_like_repo = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-    hint = (f"download it with `hf download {model} --local-dir DIR` and pass --model DIR" if looks_like_repo
-            else "check the path")
-    raise ConfigError(f"--model {model}: not a preset ({', '.join(sorted(PRESETS))}) and no such checkpoint "
-                      f"directory; {hint}")
+        r = engine_resolve.resolve_model(model)
+    except engine_resolve.ModelNotFound as exc:
+        raise ConfigError(f"--model {model}: {exc}") from None
+    return ModelRef(r.kind, r.name, Path(r.path) if r.kind == "dir" else None)
 
 
 def _engine_load_kwargs(dummy_weights: bool, tensor_parallel_size: int, quantization: str | None) -> dict:
@@ -149,21 +112,11 @@ def describe_model(model: str) -> tuple[ModelRef, Any, Any, Any]:
     ConfigError when it cannot be described (no tokenizer files, unreadable config, ...)."""
     ref = resolve_model(model)
     try:
-        from components.engine.engine import _describe
+        from components.engine.engine import describe
         from components.engine.resolve import ResolvedModel
-    except ImportError:  # an engine from before resolve.py
-        _describe = None
-    try:
-        if _describe is not None:
-            config, tokenizer, generation_config, _ = _describe(ResolvedModel(ref.kind, ref.path, ref.name))
-            return ref, config, tokenizer, generation_config
-        from components.engine.config import HunyuanImage3Config, get_config
-        from components.engine.tokenizer import load_tokenizer
 
-        if ref.kind == "dir":
-            config = HunyuanImage3Config.from_dict(json.loads((ref.path / "config.json").read_text()))
-            return ref, config, load_tokenizer(ref.path), None
-        return ref, get_config(ref.name), load_tokenizer(None if ref.name == "tiny" else ref.name), None
+        config, tokenizer, generation_config, _ = describe(ResolvedModel(ref.kind, ref.path, ref.name))
+        return ref, config, tokenizer, generation_config
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"--model {model}: cannot load its config/tokenizer/generation config ({first}); pass "
@@ -189,14 +142,7 @@ def model_validators(model: str) -> tuple[Callable[[str], int], Callable[[int, i
 
 def generation_defaults(model: str) -> dict[str, Any]:
     """The model's generation config, under the CLI's names (steps, guidance, ...)."""
-    ref, _, _, gc = describe_model(model)
-    if gc is None:  # an engine without generation configs: the values of CONTRACTS.md
-        if ref.path is not None and (ref.path / "generation_config.json").is_file():
-            raw = json.loads((ref.path / "generation_config.json").read_text())
-            base = dict(_FALLBACK_GENERATION[None])
-            base.update({cli: raw[field] for cli, field in GENERATION_FIELDS.items() if field in raw})
-            return base
-        return dict(_FALLBACK_GENERATION["tiny" if ref.name == "tiny" else None])
+    _, _, _, gc = describe_model(model)
     values = {cli: getattr(gc, field) for cli, field in GENERATION_FIELDS.items()}
     if getattr(gc, "do_sample", True) is False:
         values["temperature"] = 0.0

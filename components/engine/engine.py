@@ -53,7 +53,7 @@ class Engine:
         creates it); tensor_parallel_size must match it.
         """
         resolved = resolve_model(model)
-        config, tokenizer, generation_config, system_prompts = _describe(resolved)
+        config, tokenizer, generation_config, system_prompts = describe(resolved)
         if dtype:
             config = config.replace(torch_dtype=dtype)
         if tokenizer.vocab_size > config.vocab_size:
@@ -158,7 +158,7 @@ def materialize(net: HunyuanImage3ForCausalMM, device: str | torch.device, weigh
     return total
 
 
-def _describe(resolved: ResolvedModel) -> tuple[HunyuanImage3Config, Tokenizer, Any, dict[str, str] | None]:
+def describe(resolved: ResolvedModel) -> tuple[HunyuanImage3Config, Tokenizer, Any, dict[str, str] | None]:
     """config, tokenizer, generation config and system prompts of a preset or a checkpoint."""
     if resolved.kind == "preset":
         config = get_config(resolved.name)
