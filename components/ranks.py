@@ -73,22 +73,24 @@ def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: s
         p.start()
     outcome: dict[int, tuple[str, Any]] = {}
 
-    def drain() -> None:
+    def collect() -> None:
+        """Record every reported result, and every rank that died without reporting."""
         while not results.empty():
             rank, status, value = results.get()
             outcome[rank] = (status, value)
+        for rank, p in enumerate(procs):
+            if rank not in outcome and not p.is_alive():
+                p.join()
+                while not results.empty():  # it may have reported just before exiting
+                    r, status, value = results.get()
+                    outcome[r] = (status, value)
+                outcome.setdefault(rank, ("error", f"exited with code {p.exitcode} (killed or crashed)"))
 
     try:
         while len(outcome) < world_size:
-            drain()
-            for rank, p in enumerate(procs):
-                if rank not in outcome and not p.is_alive():
-                    p.join()
-                    drain()
-                    if rank not in outcome:
-                        outcome[rank] = ("error", f"exited with code {p.exitcode} (killed or crashed)")
+            collect()
             if any(status == "error" for status, _ in outcome.values()):
-                _settle(procs, outcome, drain)
+                _settle(procs, outcome, collect)
                 rank, why = _root_cause(outcome)
                 raise RankFailed(f"tensor-parallel rank {rank} of {world_size} failed: {why}")
             time.sleep(0.05)
@@ -125,17 +127,11 @@ _COLLECTIVE_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "g
                       "DistBackendError", "timed out")
 
 
-def _settle(procs, outcome: dict, drain, seconds: float = 3.0) -> None:
+def _settle(procs, outcome: dict, collect, seconds: float = 3.0) -> None:
     """After a first failure, give the other ranks a moment to report, so the root cause is known."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and len(outcome) < len(procs):
-        drain()
-        for rank, p in enumerate(procs):
-            if rank not in outcome and not p.is_alive():
-                p.join()
-                drain()
-                if rank not in outcome:
-                    outcome[rank] = ("error", f"exited with code {p.exitcode} (killed or crashed)")
+        collect()
         time.sleep(0.05)
 
 
