@@ -611,8 +611,8 @@ def test_gpu_steps_accept_the_compiled_command_line(argo_docs, step, monkeypatch
     args = [re.sub(r"\{\{inputs\.parameters\.(\w+)\}\}", lambda m: values[m.group(1)], a)
             for a in tpl["container"]["args"]]
     seen = {}
-    run_module = importlib.import_module(f"components.{step}.run")
-    monkeypatch.setattr(run_module, "run", lambda *a, **kw: seen.update(kw) or {})
-    main = importlib.import_module(f"components.{step}.__main__").main
-    assert main(step_argv(args, env={})) == 0
+    main_module = importlib.import_module(f"components.{step}.__main__")
+    # the step hands run()'s keywords to run_step, which starts the tensor-parallel ranks
+    monkeypatch.setattr(main_module, "run_step", lambda target, kwargs, *a, **kw: seen.update(kwargs) or {})
+    assert main_module.main(step_argv(args, env={})) == 0
     assert seen.get("tensor_parallel_size") == 2 and seen.get("quantization") == "fp8"
