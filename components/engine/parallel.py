@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, MoE, _combine, _grouped_mm_available
-from .transformer import moe_grouped, moe_loop
 from .weights import LoadSlices
 
 
@@ -183,8 +182,7 @@ class ParallelMoE(nn.Module):
             impl = self.impl
             if impl == "auto":
                 impl = "grouped" if _grouped_mm_available(rows) else "loop"
-            fn = moe_grouped if impl == "grouped" else moe_loop
-            per_slot[slots] = fn(rows, ones, which, self.experts.gate_and_up_proj, self.experts.down_proj)
+            per_slot[slots] = self.experts(rows, ones, which, impl)
         out = _combine(per_slot.view(flat.shape[0], self.top_k, -1), weights).view(shape)
         if self.shared_mlp is not None:
             out = out + self.shared_mlp(x)

@@ -189,6 +189,12 @@ class Experts(nn.Module):
         nn.init.normal_(self.gate_and_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
 
+    def forward(self, x, weights, experts, impl: str) -> torch.Tensor:
+        """Routed output for tokens x [N, H] sent to `experts` [N, k] with `weights` [N, k].
+        Quantized experts (quant.Fp8Experts) replace this module with the same call."""
+        return (moe_grouped if impl == "grouped" else moe_loop)(x, weights, experts, self.gate_and_up_proj,
+                                                                self.down_proj)
+
 
 def _grouped_mm_available(x: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
@@ -233,8 +239,7 @@ class MoE(nn.Module):
         impl = self.impl
         if impl == "auto":
             impl = "grouped" if _grouped_mm_available(flat) else "loop"
-        routed = (moe_grouped if impl == "grouped" else moe_loop)(
-            flat, weights, experts, self.experts.gate_and_up_proj, self.experts.down_proj).view(shape)
+        routed = self.experts(flat, weights, experts, impl).view(shape)
         return routed if self.shared_mlp is None else self.shared_mlp(x) + routed
 
 

@@ -1,0 +1,331 @@
+"""FP8 weights (`--quantization fp8`): the numbers, which modules, memory, checkpoints, end to end.
+
+Everything here runs the reference path (dequantize, multiply in fp32), which computes the same
+numbers as the fused CUDA path (`torch._scaled_mm` / `torch._scaled_grouped_mm`); the GPU benchmark
+`benchmarks/fp8_moe.py` checks the fused path against this reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import components.engine.quant as quant
+from components.engine.config import get_config
+from components.engine.quant import (
+    FP8,
+    Fp8Experts,
+    Fp8Linear,
+    build_model_fp8,
+    dequantize,
+    fp8_linear_reference,
+    fp8_moe_reference,
+    fp8_modules,
+    is_fp8_checkpoint,
+    quantize_model_fp8_,
+    quantize_rowwise,
+    save_pretrained_fp8,
+    weight_bytes,
+)
+from components.engine.transformer import Experts, HunyuanImage3ForCausalMM, MoE
+from components.engine.weights import init_dummy_weights, save_pretrained
+
+from .test_engine_helpers import psnr, tiny_engine
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _same_state(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(_bits(sa[k]), _bits(sb[k]))
+                                          for k in sa)
+
+
+@pytest.fixture(scope="module")
+def tiny_plain():
+    torch.manual_seed(0)
+    model = HunyuanImage3ForCausalMM(get_config("tiny"))
+    init_dummy_weights(model, seed=0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tiny_plain):
+    model = copy.deepcopy(tiny_plain)
+    quantize_model_fp8_(model)
+    return model
+
+
+# -- the numbers ----------------------------------------------------------------------------------
+def test_quantize_rowwise_scale_rounding_and_saturation():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 256, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 1.0, 0.0]).unsqueeze(1)
+    x[4, 7] = 1e3  # one outlier sets its row's scale
+    q, s = quantize_rowwise(x)
+    assert q.dtype == FP8 and s.dtype == torch.float32 and s.shape == (6,)
+    assert torch.equal(s[:5], x[:5].abs().amax(1) / 448)
+    assert (q[:5].float().abs().amax(1) == 448).all()  # every row's largest value lands on +-448
+    assert torch.equal(q[5].float(), torch.zeros(256)) and torch.isfinite(s).all()  # zero row: zeros, no NaN
+    err = (dequantize(q, s) - x).abs()
+    # E4M3 has 3 mantissa bits: normal values round to within 2^-4 relative, subnormals to 2^-10 * scale
+    bound = torch.maximum(x.abs() * 2.0 ** -4, s.unsqueeze(1) * 2.0 ** -10) * (1 + 1e-6)
+    assert (err <= bound).all()
+    rel = (err / x.abs().clamp_min(1e-30))[:4]
+    assert rel.max() > 2.0 ** -5  # really 8-bit, not a wider type that would round far finer
+
+
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="torch._scaled_mm missing")
+def test_reference_linear_matches_torch_scaled_mm_on_cpu():
+    """The scale convention of the reference path is torch's: compare with `torch._scaled_mm` where
+    the CPU build has it (torch >= 2.9), an independent implementation of the same product."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(33, 64, generator=g), torch.randn(48, 64, generator=g) * 0.1
+    qw, sw = quantize_rowwise(w)
+    qx, sx = quantize_rowwise(x)
+    try:
+        ours = torch._scaled_mm(qx, qw.t(), scale_a=sx.unsqueeze(1), scale_b=sw.unsqueeze(0), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on the CPU build
+        pytest.skip(f"torch._scaled_mm on CPU: {e}")
+    ref = fp8_linear_reference(x, qw, sw)
+    assert _rel(ref, ours) < 1e-6
+    assert _rel(fp8_linear_reference(x, qw, sw * 1.01), ours) > 5e-3  # a wrong scale is caught
+
+
+def test_fp8_linear_from_linear():
+    g = torch.Generator().manual_seed(2)
+    lin = nn.Linear(64, 96, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 64, generator=g) / 8)
+        lin.bias.copy_(torch.randn(96, generator=g))
+    q = Fp8Linear.from_linear(lin)
+    assert q.weight.dtype == FP8 and q.weight.shape == (96, 64) and q.weight_scale.shape == (96,)
+    assert torch.equal(q.bias, lin.bias)
+    x = torch.randn(3, 5, 64, generator=g)
+    y, ref = q(x), lin(x)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    # W8A8 with 3-bit mantissas: ~3.5 % relative error on Gaussian data; well above fp32 noise
+    assert 0.01 < _rel(y - lin.bias, ref - lin.bias) < 0.05
+
+
+def test_fp8_experts_reference_matches_per_token_math():
+    """Written out per (token, slot): quantize the token, expert GEMM, SwiGLU, quantize, GEMM."""
+    e_, h_, i_, n, k = 5, 32, 16, 23, 2
+    g = torch.Generator().manual_seed(3)
+    plain = Experts(e_, h_, i_)
+    with torch.no_grad():
+        plain.gate_and_up_proj.copy_(torch.randn(e_, 2 * i_, h_, generator=g) * h_ ** -0.5)
+        plain.down_proj.copy_(torch.randn(e_, h_, i_, generator=g) * i_ ** -0.5)
+    fp8 = Fp8Experts.from_experts(plain)
+    x = torch.randn(n, h_, generator=g)
+    experts = torch.stack([torch.randint(0, 3, (n,), generator=g), torch.full((n,), 4)], 1)  # expert 3 idle
+    weights = torch.softmax(torch.randn(n, k, generator=g), -1)
+    out = fp8(x, weights, experts, "loop")
+
+    def deq(q_s):
+        return q_s[0].double() * q_s[1].double().unsqueeze(-1)
+
+    ref = torch.zeros(n, h_, dtype=torch.float64)
+    for t in range(n):
+        xt = deq(quantize_rowwise(x[t:t + 1]))
+        for s in range(k):
+            e = int(experts[t, s])
+            w1 = deq((fp8.gate_and_up_proj[e], fp8.gate_and_up_proj_scale[e]))
+            w2 = deq((fp8.down_proj[e], fp8.down_proj_scale[e]))
+            hid = xt @ w1.T
+            act = hid[:, :i_] * F.silu(hid[:, i_:])
+            ref[t] += weights[t, s].double() * (deq(quantize_rowwise(act.float())) @ w2.T)[0]
+    assert _rel(out, ref) < 1e-5
+    unquantized = plain(x, weights, experts, "loop")
+    assert 0.01 < _rel(out, unquantized) < 0.1
+
+
+# -- which modules, memory, dtype handling --------------------------------------------------------
+def test_quantize_model_swaps_exactly_the_decoder_linears_and_experts(tiny_plain, tiny_fp8):
+    names = dict(fp8_modules(tiny_fp8))
+    layers = tiny_plain.config.num_hidden_layers
+    expected = {f"model.layers.{i}.{n}" for i in range(layers) for n in (
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.shared_mlp.gate_and_up_proj", "mlp.shared_mlp.down_proj",
+        "mlp.experts")}
+    assert set(names) == expected
+    for i in range(layers):
+        gate = tiny_fp8.model.layers[i].mlp.gate.wg
+        assert type(gate) is nn.Linear and gate.weight.dtype == torch.float32  # the router stays as it is
+    plain_linears = [n for n, m in tiny_fp8.named_modules() if type(m) is nn.Linear]
+    assert any(n.startswith("timestep_emb") for n in plain_linears) and "lm_head" in plain_linears
+    assert any(n.startswith("vision_aligner") for n in plain_linears)
+    # everything outside the quantized modules is bitwise the plain model
+    plain_sd, fp8_sd = tiny_plain.state_dict(), tiny_fp8.state_dict()
+    outside = [k for k in plain_sd if not any(k.startswith(n + ".") for n in expected)]
+    assert outside and all(torch.equal(plain_sd[k], fp8_sd[k]) for k in outside)
+    before = copy.deepcopy(tiny_fp8)
+    quantize_model_fp8_(tiny_fp8)  # idempotent
+    assert _same_state(before, tiny_fp8)
+
+
+def test_dtype_casts_move_but_never_cast_fp8_weights_and_scales(tiny_fp8):
+    model = copy.deepcopy(tiny_fp8)
+    model.to(torch.bfloat16)
+    layer, ref = model.model.layers[0], tiny_fp8.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == FP8
+    assert torch.equal(_bits(layer.self_attn.qkv_proj.weight), _bits(ref.self_attn.qkv_proj.weight))
+    assert layer.mlp.experts.down_proj_scale.dtype == torch.float32
+    assert torch.equal(layer.mlp.experts.down_proj_scale, ref.mlp.experts.down_proj_scale)
+    assert layer.input_layernorm.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.bfloat16
+    model.float()
+    assert layer.mlp.experts.gate_and_up_proj.dtype == FP8
+
+
+def test_full_size_fp8_model_takes_half_the_bytes():
+    """Full 80B dimensions on the meta device (no memory): the quantized decoder layers take half their
+    bf16 bytes (+0.1 % for the scales) and the whole model fits one 141 GB H200 with room to spare."""
+    cfg = get_config("hunyuan-image-3")
+    with torch.device("meta"):
+        model = HunyuanImage3ForCausalMM(cfg).to(torch.bfloat16)
+    bf16_total, bf16_layers = weight_bytes(model), weight_bytes(model.model.layers)
+    quantize_model_fp8_(model)
+    fp8_total, fp8_layers = weight_bytes(model), weight_bytes(model.model.layers)
+    print(f"\nfull size: bf16 {bf16_total / 1e9:.1f} GB -> fp8 {fp8_total / 1e9:.1f} GB "
+          f"(decoder layers {bf16_layers / 1e9:.1f} -> {fp8_layers / 1e9:.1f} GB)")
+    assert 0.5 < fp8_layers / bf16_layers < 0.502
+    assert fp8_total / bf16_total < 0.53 and fp8_total < 90e9 and bf16_total > 150e9
+
+
+# -- building, checkpoints ------------------------------------------------------------------------
+def test_build_model_fp8_dummy_equals_quantized_plain_model(tiny_plain, tiny_fp8):
+    built = build_model_fp8(tiny_plain.config, "cpu", seed=0)
+    assert _same_state(built, tiny_fp8)
+    other = build_model_fp8(tiny_plain.config, "cpu", seed=1)
+    assert not torch.equal(_bits(other.model.layers[0].mlp.experts.down_proj), _bits(built.model.layers[0].mlp.experts.down_proj))
+
+
+def _layer_outputs(model: HunyuanImage3ForCausalMM) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 7, model.config.hidden_size, generator=g)
+    pos = torch.arange(7.0).view(1, 7, 1).expand(2, 7, 2)
+    with torch.no_grad():
+        return model.forward_layers(x, pos, None, None)
+
+
+def test_fp8_checkpoint_round_trip(tmp_path, tiny_plain, tiny_fp8):
+    ckpt = save_pretrained_fp8(tiny_fp8, tiny_plain.config, tmp_path / "fp8")
+    assert is_fp8_checkpoint(ckpt) and not is_fp8_checkpoint(tmp_path)
+    assert json.loads((ckpt / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    tensors = {k: v for f in ckpt.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    w = "model.layers.1.mlp.experts.3.down_proj"
+    assert tensors[f"{w}.weight"].dtype == FP8 and tensors[f"{w}.weight_scale"].dtype == torch.float32
+    assert tensors["model.layers.0.self_attn.qkv_proj.weight"].dtype == FP8
+    assert tensors["model.layers.0.mlp.gate.wg.weight"].dtype == torch.float32
+    fp8_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    plain_dir = save_pretrained(tiny_plain, tiny_plain.config, tmp_path / "plain")
+    plain_bytes = sum(f.stat().st_size for f in plain_dir.glob("*.safetensors"))
+    assert fp8_bytes < plain_bytes
+
+    loaded = build_model_fp8(tiny_plain.config, "cpu", weights=ckpt)
+    assert _same_state(loaded, tiny_fp8)
+    assert torch.equal(_layer_outputs(loaded), _layer_outputs(tiny_fp8))
+    # a plain (fp32/bf16) checkpoint is quantized tensor by tensor while it loads: the same model
+    from_plain = build_model_fp8(tiny_plain.config, "cpu", weights=plain_dir)
+    assert _same_state(from_plain, tiny_fp8)
+
+
+def test_fp8_checkpoint_scale_formats_and_errors(tmp_path, tiny_plain, tiny_fp8):
+    """Per-tensor, [out, 1] per-channel and block-wise `weight_scale_inv` scales load to the weights
+    they describe; an FP8 weight without a scale is an error naming it."""
+    ckpt = save_pretrained_fp8(tiny_fp8, tiny_plain.config, tmp_path / "fp8")
+    shard = next(ckpt.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    plain = dict(tiny_plain.named_parameters())
+    # per-tensor: one scale for the whole qkv weight of layer 0
+    name = "model.layers.0.self_attn.qkv_proj"
+    w = plain[f"{name}.weight"].detach()
+    st = w.abs().max() / 448
+    tensors[f"{name}.weight"] = (w / st).to(FP8)
+    tensors[f"{name}.weight_scale"] = st.reshape(())
+    expect = {name: tensors[f"{name}.weight"].float() * st}
+    # [out, 1]: compressed-tensors' channel layout
+    name = "model.layers.0.self_attn.o_proj"
+    tensors[f"{name}.weight_scale"] = tensors[f"{name}.weight_scale"].unsqueeze(1)
+    expect[name] = tiny_fp8.get_submodule(name).dequantized_weight()
+    # block-wise 32 x 32 (DeepSeek-style), re-quantized per channel at load
+    name = "model.layers.1.mlp.experts.2.gate_and_up_proj"
+    w = tiny_plain.model.layers[1].mlp.experts.gate_and_up_proj[2].detach()
+    blocks = w.reshape(4, 32, 2, 32).abs().amax((1, 3)) / 448
+    full = blocks.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    tensors[f"{name}.weight"] = (w / full).to(FP8)
+    del tensors[f"{name}.weight_scale"]
+    tensors[f"{name}.weight_scale_inv"] = blocks
+    block_deq = tensors[f"{name}.weight"].float() * full
+    tensors["model.layers.1.self_attn.o_proj.input_scale"] = torch.tensor(0.5)  # static: ignored
+    save_file(tensors, str(shard))
+
+    model = build_model_fp8(tiny_plain.config, "cpu", weights=ckpt)
+    for n in ("model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"):
+        assert torch.equal(model.get_submodule(n).dequantized_weight(), expect[n])
+    experts = model.model.layers[1].mlp.experts
+    got = dequantize(experts.gate_and_up_proj[2], experts.gate_and_up_proj_scale[2])
+    assert torch.equal(got, dequantize(*quantize_rowwise(block_deq)))
+
+    del tensors["model.layers.0.mlp.shared_mlp.down_proj.weight_scale"]
+    save_file(tensors, str(shard))
+    with pytest.raises(ValueError, match=r"without a weight_scale.*shared_mlp\.down_proj"):
+        build_model_fp8(tiny_plain.config, "cpu", weights=ckpt)
+
+
+# -- end to end -----------------------------------------------------------------------------------
+def test_fp8_tiny_generation_against_unquantized(monkeypatch):
+    """The tiny DiT with FP8 weights against the unquantized fp32 model, from the same AR output
+    (8 steps, CFG 5, recompute path). Threshold: image PSNR >= 26 dB, latents within 20 %.
+
+    Measured on this model (CPU, 2026-11-23): 31.2 dB / 10 % for this prompt; 28.7-32.6 dB over
+    14 prompt x seed pairs (T2I and IT2I). bf16 against fp32 gives 34-35 dB on the same model: its
+    random weights and CFG 5 amplify every rounding, so it is a stress test. 26 dB sits ~2.7 dB under
+    the worst measured pair; a structural bug such as swapped SwiGLU halves gives 21 dB. Control:
+    E5M2 (one mantissa bit fewer) on the same prompt must come out clearly worse (measured 27.2 dB)."""
+    from components.engine import ARRequest, DiTRequest, SamplingParams
+
+    engine = tiny_engine()
+    ar = engine.generate_ar([ARRequest("fp8", "a red fox in the snow", [])], SamplingParams(max_new_tokens=16))[0]
+    base = engine.dit(DiTRequest(ar, [], None, steps=8, seed=1))
+
+    def quantized_run(fmt: torch.dtype, fmt_max: float) -> tuple[float, float]:
+        with monkeypatch.context() as m:
+            m.setattr(quant, "FP8", fmt)
+            m.setattr(quant, "FP8_MAX", fmt_max)
+            model = copy.deepcopy(engine.model)
+            quantize_model_fp8_(model)
+            out = dataclasses.replace(engine, model=model).dit(DiTRequest(ar, [], None, steps=8, seed=1))
+        return psnr(base.image, out.image), _rel(out.latents, base.latents)
+
+    db, rel = quantized_run(torch.float8_e4m3fn, 448.0)
+    db_e5m2, rel_e5m2 = quantized_run(torch.float8_e5m2, 57344.0)
+    print(f"\ntiny DiT vs fp32: e4m3 {db:.2f} dB, latents {rel:.4f}; e5m2 {db_e5m2:.2f} dB, latents {rel_e5m2:.4f}")
+    assert db >= 26.0 and rel <= 0.2
+    assert db - db_e5m2 >= 2.0 and rel_e5m2 > 1.3 * rel
+
+
+def test_moe_module_runs_fp8_experts_through_its_hook(tiny_fp8, tiny_plain):
+    """MoE.forward hands routing to its experts module: the FP8 one is used, with the same routing."""
+    moe: MoE = tiny_fp8.model.layers[0].mlp
+    plain: MoE = tiny_plain.model.layers[0].mlp
+    x = torch.randn(2, 9, tiny_plain.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out, ref = moe(x), plain(x)
+        w, e = moe.route(x.reshape(-1, x.shape[-1]))
+        routed = fp8_moe_reference(x.reshape(-1, x.shape[-1]), w, e, moe.experts.gate_and_up_proj,
+                                   moe.experts.gate_and_up_proj_scale, moe.experts.down_proj,
+                                   moe.experts.down_proj_scale)
+    assert torch.allclose(out, moe.shared_mlp(x) + routed.view_as(x), rtol=0, atol=1e-6)
+    assert 0.01 < _rel(out, ref) < 0.1
