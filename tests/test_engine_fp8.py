@@ -329,3 +329,56 @@ def test_moe_module_runs_fp8_experts_through_its_hook(tiny_fp8, tiny_plain):
                                    moe.experts.down_proj_scale)
     assert torch.allclose(out, moe.shared_mlp(x) + routed.view_as(x), rtol=0, atol=1e-6)
     assert 0.01 < _rel(out, ref) < 0.1
+
+
+def _emulated_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None,
+                                out_dtype=None, use_fast_accum=False):
+    """`torch._scaled_grouped_mm` (2-D x 3-D, rowwise) for the CPU, with the argument checks of the
+    CUDA kernel (torch 2.11 GroupedBlas.cpp): row-major A, transposed B, 1-D A scale, [G, N] B scale,
+    int32 offsets, bf16 out."""
+    assert mat_a.dtype == mat_b.dtype == FP8 and mat_a.dim() == 2 and mat_b.dim() == 3
+    assert mat_a.stride(1) == 1 and mat_b.stride(1) == 1, "A row-major, B transposed"
+    assert mat_a.shape[1] == mat_b.shape[1] and mat_a.shape[1] % 16 == 0 and mat_b.shape[2] % 16 == 0
+    assert scale_a.shape == (mat_a.shape[0],) and scale_a.is_contiguous() and scale_a.dtype == torch.float32
+    assert scale_b.shape == (mat_b.shape[0], mat_b.shape[2]) and scale_b.stride(1) == 1
+    assert offs.dtype == torch.int32 and offs.dim() == 1 and out_dtype == torch.bfloat16 and bias is None
+    out = torch.empty(mat_a.shape[0], mat_b.shape[2], dtype=torch.bfloat16)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        prod = mat_a[start:end].float() @ mat_b[g].float()
+        out[start:end] = (prod * scale_a[start:end, None] * scale_b[g][None, :]).to(torch.bfloat16)
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("combine", ["compiled", "bmm"])
+def test_fused_path_plumbing_on_cpu(monkeypatch, tiny_fp8, combine):
+    """The fused path's permutation, FP8 gathers and combine, run on the CPU with an emulated grouped
+    kernel (the real one is CUDA-only) and the quantize functions uncompiled; the dense fused path
+    runs the real `torch._scaled_mm` where the CPU build has it. Both must equal the reference."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_scaled_grouped_mm, raising=False)
+    monkeypatch.setattr(quant, "_compiled", lambda fn: fn)
+    moe = copy.deepcopy(tiny_fp8.model.layers[1].mlp).to(torch.bfloat16)
+    moe.gate.float()  # the router stays fp32, as in the engine
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(37, moe.experts.hidden, generator=g).to(torch.bfloat16)
+    w, e = moe.route(x)
+    e[0] = torch.tensor([0, 3])  # token 0 sorts into the first and the last group
+    args = (x, w, e, moe.experts.gate_and_up_proj, moe.experts.gate_and_up_proj_scale, moe.experts.down_proj,
+            moe.experts.down_proj_scale)
+    with torch.no_grad():
+        fused = quant.fp8_moe_fused(*args, combine=combine)
+        ref = fp8_moe_reference(*args)
+        shuffled = quant.fp8_moe_fused(x, w, e.roll(1, dims=1), *args[3:], combine=combine)
+    assert fused.dtype == torch.bfloat16 and fused.shape == x.shape
+    # the fused path rounds each expert's output to bf16 before the combine, the reference once at
+    # the end: they differ at bf16 rounding (2^-9 relative per element), nowhere near FP8's 2^-4
+    assert _rel(fused, ref) < 5e-3
+    assert _rel(shuffled, ref) > 1e-2  # the combine really pairs each slot with its own weight
+
+    lin = moe.shared_mlp.gate_and_up_proj
+    try:
+        y = quant.fp8_linear_fused(x, lin.weight, lin.weight_scale)
+    except (RuntimeError, NotImplementedError) as err:  # pragma: no cover - depends on the CPU build
+        pytest.skip(f"torch._scaled_mm on CPU: {err}")
+    assert _rel(y, fp8_linear_reference(x, lin.weight, lin.weight_scale)) < 2e-3

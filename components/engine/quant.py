@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 # -- fused CUDA path ------------------------------------------------------------------------------
 _compiled_fns: dict = {}
+compile_failures: dict[str, str] = {}  # function name -> error; those run eagerly (same numbers, slower)
 
 
 def _compiled(fn):
@@ -95,10 +97,22 @@ def _compiled(fn):
     return _compiled_fns[fn]
 
 
+def _call_compiled(fn, *args):
+    """fn(*args) through its compiled version; if compiling fails, warn once and stay eager."""
+    if fn.__name__ in compile_failures:
+        return fn(*args)
+    try:
+        return _compiled(fn)(*args)
+    except Exception as e:  # noqa: BLE001 - any compiler failure: the eager function computes the same
+        compile_failures[fn.__name__] = f"{type(e).__name__}: {e}"[:500]
+        warnings.warn(f"FP8: torch.compile of {fn.__name__} failed, running it eagerly: {e}", stacklevel=2)
+        return fn(*args)
+
+
 def _run_compiled(fn, x: torch.Tensor):
     # the token count changes with every batch: one graph for all of them (sizes 0/1 specialise)
     torch._dynamo.maybe_mark_dynamic(x, 0)
-    return _compiled(fn)(x)
+    return _call_compiled(fn, x)
 
 
 def _cuda_bf16(x: torch.Tensor) -> bool:
@@ -139,7 +153,7 @@ def _combine_sorted(y: torch.Tensor, slot_of_sorted: torch.Tensor, weights: torc
     kernel that reads y once (no scatter back to token order first); fixed summation order, so it
     is deterministic (no atomics)."""
     n, k = weights.shape
-    picked = y[slot_of_sorted].view(n, k, -1).float()
+    picked = y[slot_of_sorted].view(n, k, y.shape[-1]).float()
     return (picked * weights.unsqueeze(-1).float()).sum(1).to(y.dtype)
 
 
@@ -176,7 +190,7 @@ def fp8_moe_fused(x, weights, experts, w1, s1, w2, s2, use_fast_accum: bool = Fa
 def _run_compiled_combine(y, slot_of_sorted, weights):
     for t in (y, slot_of_sorted, weights):
         torch._dynamo.maybe_mark_dynamic(t, 0)
-    return _compiled(_combine_sorted)(y, slot_of_sorted, weights)
+    return _call_compiled(_combine_sorted, y, slot_of_sorted, weights)
 
 
 def fp8_moe_reference(x, weights, experts, w1, s1, w2, s2) -> torch.Tensor:
@@ -188,7 +202,7 @@ def fp8_moe_reference(x, weights, experts, w1, s1, w2, s2) -> torch.Tensor:
         token, slot = (experts == e).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        h = xd[token] @ dequantize(w1[e], s1[e]).T
+        h = (xd[token] @ dequantize(w1[e], s1[e]).T).to(x.dtype)  # the fused GEMM's output dtype
         per_slot[token, slot] = dequantize(*swiglu_quantize_rowwise(h)) @ dequantize(w2[e], s2[e]).T
     return (per_slot * weights.unsqueeze(-1).float()).sum(1).to(x.dtype)
 
