@@ -43,7 +43,7 @@ from components.engine.quant import (
     weight_bytes,
 )
 from components.engine.transformer import DecoderLayer, HeadMask, KVCache, _swiglu, moe_grouped, rope_cos_sin
-from components.engine.weights import init_dummy_tensor_
+from components.engine.engine import build_model, materialize
 
 DIT_TOKENS = 2 * (1 + 3953)  # CFG rows x (<timestep> + 76 x 52 image tokens): the cached step
 PREFIX, AR_KV = 6796, 6800
@@ -103,16 +103,11 @@ def guarded(results: dict, key: str, fn):
 
 
 # -- building one full-size layer ----------------------------------------------------------------
-def build_layer(cfg, index: int = 0, seed: int = 0) -> DecoderLayer:
-    """One bf16 decoder layer on the GPU with the `dummy` weights of `model.layers.{index}`."""
-    with torch.device("meta"):
-        layer = DecoderLayer(cfg)
-    layer.to(torch.bfloat16)
-    layer.mlp.gate.float()
-    layer.to_empty(device=DEVICE)
-    for name, p in layer.named_parameters(prefix=f"model.layers.{index}"):
-        init_dummy_tensor_(name, p, seed)
-    return layer.eval()
+def build_layer(cfg, seed: int = 0) -> DecoderLayer:
+    """Decoder layer 0 of the engine's bf16 model with dummy weights (a one-layer model is built)."""
+    net = build_model(cfg.replace(num_hidden_layers=1), DEVICE, allocate=False)
+    materialize(net, DEVICE, None, seed)
+    return net.model.layers[0].eval()
 
 
 # -- sections -------------------------------------------------------------------------------------
@@ -202,12 +197,12 @@ def check_experts(layer: DecoderLayer, layer8: DecoderLayer) -> dict:
 
 
 def check_builder(cfg, layer8: DecoderLayer) -> dict:
-    """build_model_fp8 on the GPU (2 layers, no VAE/ViT): layer 0 bitwise equal to quantizing the
-    bf16 dummy layer; peak memory against the FP8 bytes."""
+    """build_model_fp8 on the GPU (2 layers): layer 0 bitwise equal to quantizing the bf16 dummy
+    layer; peak memory against the FP8 bytes (the bf16 model never exists whole)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model = build_model_fp8(cfg.replace(num_hidden_layers=2), DEVICE, seed=0, with_conditioning=False)
+    model = build_model_fp8(cfg.replace(num_hidden_layers=2), DEVICE, seed=0)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     a, b = model.model.layers[0].state_dict(), layer8.state_dict()
@@ -306,7 +301,7 @@ def time_layer(layer: DecoderLayer, layer8: DecoderLayer, cfg) -> dict:
         buf.normal_()
     cache.length = PREFIX
     pos = torch.arange(PREFIX, PREFIX + t, device=DEVICE, dtype=torch.float64).view(1, t, 1).expand(2, t, 2)
-    cos, sin = rope_cos_sin(pos, hd, cfg.rope_theta, torch.bfloat16)
+    cos, sin = rope_cos_sin(pos, hd, cfg.rope_theta)
     row = (torch.arange(PREFIX + t, device=DEVICE) <= PREFIX).view(1, 1, 1, -1).expand(2, 1, 1, -1)
     mask = HeadMask(row, rows=1)
     x = randn(2, t, H)
@@ -320,7 +315,7 @@ def time_layer(layer: DecoderLayer, layer8: DecoderLayer, cfg) -> dict:
             buf.normal_()
         cache.length = AR_KV
         pos = torch.full((b, 1, 2), float(AR_KV), device=DEVICE, dtype=torch.float64)
-        cos, sin = rope_cos_sin(pos, hd, cfg.rope_theta, torch.bfloat16)
+        cos, sin = rope_cos_sin(pos, hd, cfg.rope_theta)
         mask = torch.ones(b, 1, 1, AR_KV + 1, dtype=torch.bool, device=DEVICE)
         x = randn(b, 1, H)
         for label, lyr in (("bf16", layer), ("fp8", layer8)):
@@ -332,8 +327,6 @@ def time_layer(layer: DecoderLayer, layer8: DecoderLayer, cfg) -> dict:
 
 def tiny_end_to_end() -> dict:
     """Tiny engine, bf16 on the GPU: FP8 fused vs FP8 reference vs bf16, one T2I and one IT2I row."""
-    import dataclasses
-
     import numpy as np
     from PIL import Image
 
@@ -345,9 +338,7 @@ def tiny_end_to_end() -> dict:
         return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
     eng = Engine.load("tiny", device=DEVICE, dtype="bfloat16")
-    model8 = copy.deepcopy(eng.model)
-    quantize_model_fp8_(model8)
-    eng8 = dataclasses.replace(eng, model=model8)
+    eng8 = Engine.load("tiny", device=DEVICE, dtype="bfloat16", quantization="fp8")  # the engine's own FP8 load
     cond = Image.fromarray((np.random.RandomState(0).rand(96, 160, 3) * 255).astype("uint8"))
     out = {}
     for name, images in (("t2i", []), ("it2i", [cond])):
