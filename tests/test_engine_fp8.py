@@ -287,13 +287,14 @@ def test_fp8_checkpoint_scale_formats_and_errors(tmp_path, tiny_plain, tiny_fp8)
 # -- end to end -----------------------------------------------------------------------------------
 def test_fp8_tiny_generation_against_unquantized(monkeypatch):
     """The tiny DiT with FP8 weights against the unquantized fp32 model, from the same AR output
-    (8 steps, CFG 5, recompute path). Threshold: image PSNR >= 26 dB, latents within 20 %.
+    (8 steps, CFG 5, recompute path). Threshold: image PSNR >= 30 dB, latents within 15 %.
 
-    Measured on this model (CPU, 2026-11-23): 31.2 dB / 10 % for this prompt; 28.7-32.6 dB over
-    14 prompt x seed pairs (T2I and IT2I). bf16 against fp32 gives 34-35 dB on the same model: its
-    random weights and CFG 5 amplify every rounding, so it is a stress test. 26 dB sits ~2.7 dB under
-    the worst measured pair; a structural bug such as swapped SwiGLU halves gives 21 dB. Control:
-    E5M2 (one mantissa bit fewer) on the same prompt must come out clearly worse (measured 27.2 dB)."""
+    Measured on this model (CPU, 2026-11-23): 34.8 dB / 10 % for this prompt; 33.6-37.4 dB and
+    7-12 % over 12 more prompt x seed pairs (T2I and IT2I). bf16 against fp32 gives 38-39 dB on the
+    same model: its random weights and CFG 5 amplify every rounding, so it is a stress test. 30 dB
+    sits 3.6 dB under the worst measured pair (1.5x its RMS error); a structural bug such as swapped
+    SwiGLU halves gives 26.7 dB. Control: E5M2 (one mantissa bit fewer) on the same prompt must come
+    out clearly worse (measured 31.2 dB)."""
     from components.engine import ARRequest, DiTRequest, SamplingParams
 
     engine = tiny_engine()
@@ -312,7 +313,7 @@ def test_fp8_tiny_generation_against_unquantized(monkeypatch):
     db, rel = quantized_run(torch.float8_e4m3fn, 448.0)
     db_e5m2, rel_e5m2 = quantized_run(torch.float8_e5m2, 57344.0)
     print(f"\ntiny DiT vs fp32: e4m3 {db:.2f} dB, latents {rel:.4f}; e5m2 {db_e5m2:.2f} dB, latents {rel_e5m2:.4f}")
-    assert db >= 26.0 and rel <= 0.2
+    assert db >= 30.0 and rel <= 0.15
     assert db - db_e5m2 >= 2.0 and rel_e5m2 > 1.3 * rel
 
 
