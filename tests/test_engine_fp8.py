@@ -450,3 +450,19 @@ def test_fp8_tensor_parallel_two_ranks(tmp_path):
         err_tp1, err_tp2 = _rel(tp1[key], plain[key]), _rel(tp2[key], plain[key])
         print(f"\n{key}: fp8 TP1 vs fp32 {err_tp1:.4f}, fp8 TP2 vs fp32 {err_tp2:.4f}, TP2 vs TP1 {_rel(tp2[key], tp1[key]):.4f}")
         assert 0 < err_tp2 < 2 * err_tp1 + 1e-3
+
+
+def test_fp8_kv_is_not_reused_by_a_bf16_engine():
+    """FP8 weights give other K/V than full-precision ones: the payload's hash says which, and a DiT
+    with the other weight format recomputes (with the reason) instead of reusing it."""
+    from components.engine import Engine
+    from components.engine.ar import ARRequest, SamplingParams
+    from components.engine.dit import DiTRequest
+
+    fp8, plain = Engine.load("tiny", quantization="fp8"), Engine.load("tiny")
+    assert fp8.config_hash != plain.config_hash
+    out = fp8.generate_ar([ARRequest("r", "a red boat", seed=1)], SamplingParams(temperature=0.0, max_new_tokens=4))[0]
+    assert out.prompt_kv.config_hash == fp8.config_hash
+    res = plain.dit(DiTRequest(out, [], out.prompt_kv, steps=1))
+    assert res.kv_path == "recompute" and res.kv_reason.startswith(f"config hash {fp8.config_hash}")
+    assert fp8.dit(DiTRequest(out, [], out.prompt_kv, steps=1)).kv_path == "reuse"

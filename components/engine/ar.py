@@ -173,7 +173,7 @@ class ARGenerator:
                  system_prompts: dict[str, str] | None = None) -> None:
         self.model, self.tok, self.builder = model, tokenizer, builder
         self.model_id = model_id
-        self.config_hash = model.config.config_hash()
+        self.config_hash = model.kv_hash()
         self.generation_config = generation_config or tiny_generation_config()
         self.system_prompts = system_prompts or TINY_SYSTEM_PROMPTS
 

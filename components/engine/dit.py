@@ -86,7 +86,7 @@ class DiTGenerator:
     def __init__(self, model: HunyuanImage3ForCausalMM, builder: SequenceBuilder, generation_config=None) -> None:
         self.model, self.builder = model, builder
         self.generation_config = generation_config
-        self.config_hash = model.config.config_hash()
+        self.config_hash = model.kv_hash()
 
     @staticmethod
     def seed(req: DiTRequest) -> int:

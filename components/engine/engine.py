@@ -72,7 +72,19 @@ class Engine:
 
         net = build_model(config, device, parallel=parallel, allocate=False)
         weights_dir = None if dummy_weights else Path(weights) if weights else resolved.path
-        stats = materialize(net, device, weights_dir, seed, quantize=quantization == "fp8")
+        from .quant import is_fp8_checkpoint
+
+        if weights_dir is not None and is_fp8_checkpoint(weights_dir):  # stored as E4M3 + scales
+            from .quant import load_pretrained_fp8, quantize_model_fp8_
+
+            quantization = "fp8"
+            quantize_model_fp8_(net)
+            net.to_empty(device=device)
+            load_pretrained_fp8(net, weights_dir)
+            stats = LoadStats()
+        else:
+            stats = materialize(net, device, weights_dir, seed, quantize=quantization == "fp8")
+        net.quantization = quantization if quantization == "fp8" else None
         for layer in net.model.layers:
             if hasattr(layer.mlp, "drop_tokens"):
                 layer.mlp.drop_tokens = moe_drop_tokens
@@ -92,7 +104,8 @@ class Engine:
 
     @cached_property
     def config_hash(self) -> str:
-        return self.config.config_hash()
+        """The hash K/V payloads carry: the config and the weight format (see kv_hash)."""
+        return self.model.kv_hash()
 
     def generate_ar(self, requests: list[ARRequest], sampling: SamplingParams | None = None,
                     export_kv: bool = True) -> list[AROutput]:

@@ -431,6 +431,15 @@ class HunyuanImage3ForCausalMM(nn.Module):
         return KVCache(len(self.model.layers), batch, attn.num_kv_heads, attn.head_dim, capacity,
                        self.dtype, self.device)
 
+    def kv_hash(self) -> str:
+        """What a prompt's K/V depends on besides its tokens: the config, and how the weights are
+        stored (FP8 weights give other K/V than bf16 ones, so their payloads are not interchangeable)."""
+        import hashlib
+
+        base = self.config.config_hash()
+        quantization = getattr(self, "quantization", None)
+        return base if not quantization else hashlib.sha256(f"{base}:{quantization}".encode()).hexdigest()[:16]
+
     def autocast(self):
         """The official pipeline runs the transformer under CUDA autocast in the model dtype (so,
         e.g., the fp32 router projection computes in bf16); the same context makes ardit match it.
