@@ -51,7 +51,7 @@ DECODE = (1, 8, 64)
 T0 = time.time()
 DEVICE = "cuda"  # module globals, so a CPU smoke run of the plumbing can shrink them
 CFG = get_config("hunyuan-image-3")
-H, I = CFG.hidden_size, CFG.moe_intermediate_size
+H, I = CFG.hidden_size, CFG.layer("moe_intermediate_size", 0)
 CEILING_N, COPY_BYTES = 8192, 1 << 30
 
 

@@ -35,12 +35,33 @@ def _gb(n: int) -> float:
     return round(n / 1e9, 2)
 
 
+def _force_full_cot() -> None:
+    """Random weights would end a CoT at an arbitrary token (an end tag, a ratio token): the sampler
+    here never picks a tag, so every stage runs to its budget and the AR costs what a few-hundred-token
+    CoT costs (the engine still closes each stage with its end tags, then the ratio token)."""
+    from components.engine.ar import ARGenerator
+    from components.engine.tokenizer import SPECIAL_TOKENS
+
+    plain = ARGenerator._sample
+
+    def sample(self, logits, sampling, generator):
+        banned = getattr(self, "_bench_banned", None)
+        if banned is None:
+            banned = [i for i in (self.tok.token_id(t, required=False) for t in SPECIAL_TOKENS) if i is not None]
+            self._bench_banned = banned
+        logits = logits.clone()
+        logits[banned] = float("-inf")
+        return plain(self, logits, sampling, generator)
+
+    ARGenerator._sample = sample
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="hunyuan-image-3")
     p.add_argument("--quantization", default="fp8", help="fp8 | none")
     p.add_argument("--steps", type=int, nargs="+", default=[8, 50])
-    p.add_argument("--cot-tokens", type=int, default=160, help="budget per CoT stage (think, recaption)")
+    p.add_argument("--cot-tokens", type=int, default=320, help="CoT budget (think + recaption, tags included)")
     p.add_argument("--image-size", type=int, default=1024)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "full_model.json"))
@@ -53,6 +74,7 @@ def main() -> int:
     from components.engine.dit import DiTRequest
 
     quant = None if args.quantization in ("", "none") else args.quantization
+    _force_full_cot()
     result: dict = {"model": args.model, "quantization": quant or "bf16", "device": torch.cuda.get_device_name(0)
                     if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     t0 = time.perf_counter()
