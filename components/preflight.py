@@ -86,7 +86,8 @@ def check_kv_store(url: str) -> None:
 def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: int, model: str,
               weights: str | None, dummy_weights: bool, tensor_parallel_size: int, quantization: str | None,
               kv_store: str | None, kv_reuse: bool, device: str, dtype: str | None, seed: int, batch_size: int,
-              generation: dict[str, Any], greedy: bool = False, ar_from_run: str | None = None) -> dict[str, Any]:
+              generation: dict[str, Any], greedy: bool = False, ar_from_run: str | None = None,
+              step_cache: float = 0.0) -> dict[str, Any]:
     """Every check of a local job, cheapest first. Returns what the job needs resolved:
     device, generation settings, the row validators and the settings each step remembers."""
     from components.ar.run import ar_settings
@@ -107,7 +108,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     if not (isinstance(num_shards, int) and num_shards >= 1):
         raise ConfigError(f"--num-shards {num_shards!r}: must be a whole number >= 1")
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, batch_size=batch_size, device=device)
+                         seed=seed, batch_size=batch_size, device=device, step_cache=step_cache)
     try:
         layout = RunLayout.open(output, run_id)  # checks the run id; touches no storage yet
     except ConfigError:
@@ -121,7 +122,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     check_output(output)
     ar = ({"ar_from_run": ar_from_run} if ar_from_run else
           ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
-    dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen)
+    dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache)
     layout.check_settings("ar", ar)  # a resumed run: same settings, or a clear refusal
     layout.check_settings("dit", dit)
     source = check_dataset(dataset, kind)

@@ -203,7 +203,7 @@ def check_generation_options(*, steps=None, guidance=None, flow_shift=None, bot_
 
 
 def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=1, seed=0,
-                         batch_size=1, device="auto") -> None:
+                         batch_size=1, device="auto", step_cache=0.0) -> None:
     if dtype is not None and dtype not in DTYPES:
         raise _bad("--dtype", dtype, f"must be one of {', '.join(DTYPES)} (default: the model config's)")
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -214,6 +214,10 @@ def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=
         raise _bad("--seed", seed, "must be a whole number in [0, 2**63)")
     if not (_is_int(batch_size) and batch_size >= 1):
         raise _bad("--batch-size", batch_size, "must be a whole number >= 1")
+    if not (isinstance(step_cache, (int, float)) and not isinstance(step_cache, bool)
+            and math.isfinite(step_cache) and 0 <= step_cache < 1):
+        raise _bad("--step-cache", step_cache, "must be a number in [0, 1) (first-block change threshold; 0 = off, "
+                   "typical 0.05-0.15)")
     check_device_name(device)
 
 

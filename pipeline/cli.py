@@ -66,6 +66,9 @@ Steps = Annotated[Optional[int], typer.Option("--steps", help=f"denoising steps 
 Guidance = Annotated[Optional[float], typer.Option(
     "--guidance", help=f"CFG scale, >= 0; <= 1 turns CFG off ({FROM_CONFIG})")]
 FlowShift = Annotated[Optional[float], typer.Option("--flow-shift", help=f"scheduler shift ({FROM_CONFIG})")]
+StepCache = Annotated[float, typer.Option(
+    "--step-cache", help="approximate DiT speed-up: skip the deep layers on steps where the first layer's output "
+                         "changed less than this fraction (0 = off, exact; typical 0.05-0.15)")]
 BotTask = Annotated[Optional[str], typer.Option(
     "--bot-task", help=f"image | recaption | think | think_recaption | auto ({FROM_CONFIG})")]
 SystemPrompt = Annotated[Optional[str], typer.Option(
@@ -142,13 +145,14 @@ def _job_command(kind: str):
         device: Device = "auto", steps: Steps = None, guidance: Guidance = None, flow_shift: FlowShift = None,
         bot_task: BotTask = None, system_prompt: SystemPrompt = None, max_new_tokens: MaxNewTokens = None,
         temperature: Temperature = None, top_k: TopK = None, top_p: TopP = None, greedy: Greedy = False,
-        no_kv_reuse: NoKVReuse = False, seed: Seed = 0, batch_size: BatchSize = 8,
+        no_kv_reuse: NoKVReuse = False, seed: Seed = 0, batch_size: BatchSize = 8, step_cache: StepCache = 0.0,
     ) -> None:
         _run(kind, dataset, output, run_id, num_shards=num_shards, kv_store=kv_store, model=model, weights=weights,
              dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
              dtype=dtype, device=device, steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
              system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-             top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=batch_size)
+             top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=batch_size,
+             step_cache=step_cache)
 
     return command
 

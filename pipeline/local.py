@@ -18,7 +18,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
             kv_reuse: bool = True, dtype: str | None = None, temperature: float | None = None,
             top_k: int | None = None, top_p: float | None = None, greedy: bool = False, bot_task: str | None = None,
             system_prompt: str | None = None, batch_size: int = 8, max_new_tokens: int | None = None,
-            device: str = "auto", save_latents: bool = False, ar_from_run: str | None = None,
+            device: str = "auto", save_latents: bool = False, ar_from_run: str | None = None, step_cache: float = 0.0,
             progress: bool | str = "auto", on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run a whole batch job; returns summary.json's content. Re-running a run id resumes it.
 
@@ -39,7 +39,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
                      weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
                      quantization=quantization, kv_store=kv_store, kv_reuse=kv_reuse, device=device, dtype=dtype,
                      seed=seed, batch_size=batch_size, generation=generation, greedy=greedy,
-                     ar_from_run=ar_from_run)
+                     ar_from_run=ar_from_run, step_cache=step_cache)
     if on_start is not None:
         on_start()
     gen, layout = plan["generation"], plan["layout"]
@@ -65,7 +65,8 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
                                            "top_p")}, **engine), bars)
             run_step("components.dit.run:run", dict(
                 output=output, run_id=run_id, shard=shard, steps=gen["steps"], guidance=gen["guidance"],
-                flow_shift=gen["flow_shift"], kv_reuse=kv_reuse, save_latents=save_latents, **engine), bars)
+                flow_shift=gen["flow_shift"], kv_reuse=kv_reuse, save_latents=save_latents, step_cache=step_cache,
+                **engine), bars)
     summary = run_summary(output, run_id)
     summary.setdefault("wall_s", round(time.perf_counter() - t0, 3))
     return summary

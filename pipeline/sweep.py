@@ -18,7 +18,7 @@ from components.sweep.runner import AR_FROM_PARAM, JobOutcome, JobRunner
 OPTIONAL_PARAMS = frozenset({"save_latents", AR_FROM_PARAM})
 # Settings whose neutral value is what a job does anyway: left out when run_job lacks the parameter;
 # any other value is a clear per-config error (e.g. fp8 before the engine supports it).
-NEUTRAL_VALUES: dict[str, Any] = {"quantization": "none", "tensor_parallel_size": 1}
+NEUTRAL_VALUES: dict[str, Any] = {"quantization": "none", "tensor_parallel_size": 1, "step_cache": 0.0}
 
 
 class UnsupportedSetting(ValueError):

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kv-reuse", action="store_true", help="always recompute the prompt K/V")
     p.add_argument("--save-latents", action="store_true", help="also write shards/{k}/latents/{row}.pt")
     p.add_argument("--no-prefetch", action="store_true", help="fetch each row's KV only when it is needed")
+    p.add_argument("--step-cache", type=optional_float, default=0.0,
+                   help="approximate: skip the deep layers on steps where the first layer's output changed less "
+                        "than this fraction (0 = off, the exact path; typical 0.05-0.15)")
     p.add_argument("--cfg-parallel", action="store_true",
                    help="with --tensor-parallel-size N (even): the cond and uncond CFG rows on two groups of N/2 "
                         "GPUs (models with CFG, not Distil)")
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
         kwargs = dict(output=args.output, run_id=args.run_id, shard=args.shard, steps=args.steps,
                       guidance=args.guidance, flow_shift=args.flow_shift, kv_reuse=not args.no_kv_reuse,
-                      save_latents=args.save_latents, prefetch=not args.no_prefetch, **engine_kwargs(args))
+                      save_latents=args.save_latents, prefetch=not args.no_prefetch,
+                      step_cache=args.step_cache or 0.0, **engine_kwargs(args))
         with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
             result = run_step("components.dit.run:run", kwargs, progress, cfg_parallel=args.cfg_parallel)
         print(json.dumps(result, default=str))

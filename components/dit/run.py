@@ -40,11 +40,12 @@ from components.steps import (
 
 
 def dit_settings(model: str, weights: str | None, dummy_weights: bool, dtype: str | None, quantization: str | None,
-                 seed: int, generation: dict[str, Any]) -> dict[str, Any]:
+                 seed: int, generation: dict[str, Any], step_cache: float = 0.0) -> dict[str, Any]:
     """What the DiT step computes with (a run remembers it; device, TP size and KV reuse,
     which must not change the image, are not part)."""
     return {"model": model, "weights": weights, "dummy_weights": dummy_weights, "dtype": dtype,
-            "quantization": quantization, "seed": seed, **{k: generation[k] for k in DIT_SETTINGS}}
+            "quantization": quantization, "seed": seed, **{k: generation[k] for k in DIT_SETTINGS},
+            "step_cache": step_cache}
 
 
 def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: str | None = None,
@@ -52,18 +53,19 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kv_store: str | None = None, steps: int | None = None, guidance: float | None = None,
         flow_shift: float | None = None, seed: int = 0, kv_reuse: bool = True, save_latents: bool = False,
         device: str = "cpu", dtype: str | None = None, progress: Any = None, prefetch: bool = True,
-        parallel: Any = None) -> dict[str, Any]:
+        step_cache: float = 0.0, parallel: Any = None) -> dict[str, Any]:
     """Run the DiT step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
     tensor-parallel launcher (components.ranks), None in one process."""
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, device=device)
+                         seed=seed, device=device, step_cache=step_cache)
     gen = resolve_generation(model, steps=steps, guidance=guidance, flow_shift=flow_shift)
     owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
     layout = RunLayout.open(output, run_id)
     if owner:
-        layout.remember_settings("dit", dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
+        layout.remember_settings("dit", dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen,
+                                                     step_cache))
     progress = progress or (LogProgress() if parallel is not None and owner else NoProgress())
     if layout.is_committed(shard):
         progress.skip(f"DiT shard {shard}", "committed")
@@ -99,7 +101,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                 t0 = time.perf_counter()
                 kv, absent_reason, get_s = kv_io.result(fetches.pop(i))
                 _denoise_row(engine, out_io, job, ar_row, key, kv, absent_reason, get_s,
-                             wait_s=time.perf_counter() - t0, gen=gen, seed=seed)
+                             wait_s=time.perf_counter() - t0, gen=gen, seed=seed, step_cache=step_cache)
             out_io.check()
             progress.advance(task, 1)
         out_io.drain()
@@ -131,14 +133,15 @@ def _remove_if_empty(url: str) -> None:
 
 
 def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: str, kv, absent_reason: str,
-                 get_s: float | None, *, wait_s: float, gen: dict[str, Any], seed: int) -> None:
+                 get_s: float | None, *, wait_s: float, gen: dict[str, Any], seed: int,
+                 step_cache: float = 0.0) -> None:
     from components.engine import AROutput, DiTRequest
 
     try:
         ar = AROutput.from_record(json.loads(ar_row["ar_record"]))
         out = engine.dit(DiTRequest(ar, job.pil_images(), kv, absent_reason, steps=gen["steps"],
                                     guidance_scale=gen["guidance"], flow_shift=gen["flow_shift"],
-                                    seed=job.effective_seed(seed)))
+                                    seed=job.effective_seed(seed), step_cache=step_cache))
     except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
         from components.engine.parallel import RankLost
 
@@ -156,6 +159,8 @@ def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: s
         dit_total_s=t["dit_total_s"], vae_decode_s=t["vae_decode_s"],
         dit_prefix_s=t["dit_prefix_s"], generated_ids=json.dumps(ar.generated_ids),
         ratio_index=ar.ratio_index)
+    if "dit_steps_skipped" in t:
+        metrics["dit_steps_skipped"] = t["dit_steps_skipped"]  # by the step cache
     out_io.ok(job.id, out.image, out.latents, key, metrics)
 
 

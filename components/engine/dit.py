@@ -32,6 +32,7 @@ from .ar import AROutput, request_seed
 from .inputs import EncodedImage, embed_span, encode_cond_images, request_generator, skip_cond_draws
 from .kvcache import PromptKV
 from .sequence import Sequence, SequenceBuilder, first_difference
+from .step_cache import FirstBlockCache
 from .transformer import HeadMask, HunyuanImage3ForCausalMM, KVCache, attention_mask
 
 
@@ -46,6 +47,7 @@ class DiTRequest:
     flow_shift: float | None = None  # None: flow_shift
     guidance_rescale: float = 0.0  # official pipeline default
     seed: int | None = None  # None: the AR row's seed (then the K/V's conditioning latents match)
+    step_cache: float = 0.0  # > 0: first-block step cache threshold (approximate; step_cache.py)
 
 
 @dataclass
@@ -148,16 +150,19 @@ class DiTGenerator:
         latents = self.initial_noise(seq, generator)
         scheduler = official_scheduler(steps, shift, self.model.device)
         step = self.step_inputs(seq, cache.k[0].shape[0])
+        step_cache = FirstBlockCache(req.step_cache) if req.step_cache > 0 else None
         meanflow = self.model.config.use_meanflow
         step_times = []
         for i, t in enumerate(scheduler.timesteps):
             ts = time.perf_counter()
             t_r = scheduler.sigmas[i + 1].reshape(1) * 1000 if meanflow else None  # official get_timestep_r
             velocity = self.predict(cache, seq, latents, t.reshape(1).float(), guidance, step, t_r,
-                                    req.guidance_rescale)
+                                    req.guidance_rescale, step_cache)
             latents = scheduler.step(velocity, t, latents).prev_sample
             step_times.append(time.perf_counter() - ts)
         timings["dit_step_s"] = step_times
+        if step_cache is not None:
+            timings["dit_steps_skipped"] = step_cache.skipped
 
         t1 = time.perf_counter()
         timings["dit_total_s"] = t1 - t0  # prefix + denoising; the VAE decode is timed apart
@@ -302,7 +307,8 @@ class DiTGenerator:
 
     def predict(self, cache: KVCache, seq: Sequence, latents: torch.Tensor, t: torch.Tensor,
                 guidance: float, step: tuple[torch.Tensor, HeadMask] | None = None,
-                t_r: torch.Tensor | None = None, guidance_rescale: float = 0.0) -> torch.Tensor:
+                t_r: torch.Tensor | None = None, guidance_rescale: float = 0.0,
+                step_cache: FirstBlockCache | None = None) -> torch.Tensor:
         """Velocity for `latents` at time t: the step's special tokens + image tokens over the cached
         prefix, then classifier-free guidance over the [cond; uncond] rows."""
         model, gen = self.model, seq.gen_image
@@ -317,7 +323,9 @@ class DiTGenerator:
             tokens.append(model.timestep_r_tokens(t_r.to(model.device)))
         tokens.append(model.image_tokens(latents, t)[0])
         x = torch.cat(tokens).unsqueeze(0)
-        hidden = model.forward_layers(x.expand(batch, -1, -1), positions, mask, cache)
+        x = x.expand(batch, -1, -1)
+        hidden = (step_cache.forward(model, x, positions, mask, cache) if step_cache is not None
+                  else model.forward_layers(x, positions, mask, cache))
         out = model.image_output(hidden[:, len(tokens) - 1:], t.expand(batch), gen.h, gen.w).float()
         if batch == 1 and self._cfg_split(guidance > 1.0 and not model.config.cfg_distilled):
             out = model.parallel.gather_cfg(out)  # CFG parallel: the other group computed the other row

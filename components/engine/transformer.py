@@ -476,11 +476,12 @@ class HunyuanImage3ForCausalMM(nn.Module):
         return self.lm_head(self.model.ln_f(hidden)).float()
 
     def forward_layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                       cache: KVCache | None) -> torch.Tensor:
-        """x [B, T, H]; positions [B, T, 2] (y, x); mask bool [B, 1, T, S], a HeadMask, or None."""
+                       cache: KVCache | None, layers: range | None = None) -> torch.Tensor:
+        """x [B, T, H]; positions [B, T, 2] (y, x); mask bool [B, 1, T, S], a HeadMask, or None.
+        `layers`: run only these decoder layers (the DiT step cache runs the first one apart)."""
         cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+        for i in layers if layers is not None else range(len(self.model.layers)):
+            x = self.model.layers[i](x, cos, sin, mask, cache, i)
         return x
 
 

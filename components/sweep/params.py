@@ -90,6 +90,8 @@ PARAMS: dict[str, Param] = {
     "bot_task": Param(_one_of(BOT_TASKS), grid=True),
     "system_prompt": Param(_text, grid=True),
     "max_new_tokens": Param(_int_min(1), grid=True, short=_prefixed("m")),
+    "step_cache": Param(_num_check(lambda x: 0 <= x < 1, "a number in [0, 1) (0 = off)"), grid=True,
+                        short=lambda v: "exact" if v == 0 else f"fbc{v:g}"),
 }
 JOB_PARAMS: tuple[str, ...] = tuple(PARAMS)
 GRID_PARAMS: tuple[str, ...] = tuple(k for k, p in PARAMS.items() if p.grid)
