@@ -55,54 +55,88 @@ def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: s
     world_size 1 calls it in this process with parallel=None. cfg_parallel: the ranks form two
     tensor-parallel groups of world_size/2, one per CFG row (a DiT step layout).
     """
-    if cfg_parallel and world_size % 2:
-        raise ValueError(f"--cfg-parallel needs an even number of ranks, got {world_size}")
-    if world_size == 1:
+    if world_size == 1 and not cfg_parallel:
         return _resolve(target)(**kwargs, parallel=None)
-    check_devices(world_size, device)
-    import torch.multiprocessing as mp
+    with RankPool(world_size, device, timeout_s, cfg_parallel) as pool:
+        return pool.run(target, kwargs)
 
-    for key, value in SAFE_NCCL_ENV.items():
-        os.environ.setdefault(key, value)
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(target, kwargs, rank, world_size, port, device, timeout_s, results,
-                                               cfg_parallel), daemon=False) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    outcome: dict[int, tuple[str, Any]] = {}
 
-    def collect() -> None:
+class RankPool:
+    """`world_size` rank processes that stay up across calls, so a job of many shards loads its
+    tensor-parallel engine once per rank (each rank keeps the engines it loaded) instead of once
+    per shard step. `run` calls a step on every rank and returns rank 0's result; a failed rank
+    fails that call with RankFailed and ends the pool (its process group is gone)."""
+
+    def __init__(self, world_size: int, device: str, timeout_s: float = 1800.0, cfg_parallel: bool = False):
+        if cfg_parallel and world_size % 2:
+            raise ValueError(f"--cfg-parallel needs an even number of ranks, got {world_size}")
+        if world_size < 2 and not cfg_parallel:
+            raise ValueError(f"a rank pool needs at least 2 ranks, got {world_size}")
+        check_devices(world_size, device)
+        self.world_size, self.device, self.timeout_s, self.cfg_parallel = world_size, device, timeout_s, cfg_parallel
+        self.procs: list = []
+        self.broken = False
+
+    def __enter__(self) -> "RankPool":
+        import torch.multiprocessing as mp
+
+        for key, value in SAFE_NCCL_ENV.items():
+            os.environ.setdefault(key, value)
+        ctx = mp.get_context("spawn")
+        self.results = ctx.SimpleQueue()
+        self.tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(self.tasks[rank], rank, self.world_size, port, self.device,
+                                                        self.timeout_s, self.results, self.cfg_parallel),
+                                  daemon=False) for rank in range(self.world_size)]
+        for p in self.procs:
+            p.start()
+        return self
+
+    def run(self, target: str, kwargs: dict[str, Any]) -> Any:
+        if self.broken:
+            raise RankFailed("the tensor-parallel ranks were stopped by an earlier failure")
+        for queue in self.tasks:
+            queue.put((target, kwargs))
+        outcome: dict[int, tuple[str, Any]] = {}
+        while len(outcome) < self.world_size:
+            self._collect(outcome)
+            if any(status == "error" for status, _ in outcome.values()):
+                self.broken = True
+                _settle(self.procs, outcome, lambda: self._collect(outcome))
+                rank, why = _root_cause(outcome)
+                raise RankFailed(f"tensor-parallel rank {rank} of {self.world_size} failed: {why}")
+            time.sleep(0.05)
+        return outcome[0][1]
+
+    def _collect(self, outcome: dict) -> None:
         """Record every reported result, and every rank that died without reporting."""
-        while not results.empty():
-            rank, status, value = results.get()
+        while not self.results.empty():
+            rank, status, value = self.results.get()
             outcome[rank] = (status, value)
-        for rank, p in enumerate(procs):
+        for rank, p in enumerate(self.procs):
             if rank not in outcome and not p.is_alive():
                 p.join()
-                while not results.empty():  # it may have reported just before exiting
-                    r, status, value = results.get()
+                while not self.results.empty():  # it may have reported just before exiting
+                    r, status, value = self.results.get()
                     outcome[r] = (status, value)
                 outcome.setdefault(rank, ("error", f"exited with code {p.exitcode} (killed or crashed)"))
 
-    try:
-        while len(outcome) < world_size:
-            collect()
-            if any(status == "error" for status, _ in outcome.values()):
-                _settle(procs, outcome, collect)
-                rank, why = _root_cause(outcome)
-                raise RankFailed(f"tensor-parallel rank {rank} of {world_size} failed: {why}")
-            time.sleep(0.05)
-    finally:
-        for p in procs:
+    def __exit__(self, *exc) -> None:
+        if not self.broken:
+            for queue, p in zip(self.tasks, self.procs):
+                if p.is_alive():
+                    queue.put(None)  # leave the loop, tear the process group down
+        deadline = time.monotonic() + (30 if not self.broken else 0)
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.terminate()
-        for p in procs:
+        for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return outcome[0][1]
 
 
 def _context(rank: int, world: int, device, cfg_parallel: bool):
@@ -148,8 +182,9 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _worker(target: str, kwargs: dict, rank: int, world: int, port: int, device: str, timeout_s: float,
-            results, cfg_parallel: bool = False) -> None:
+def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: float, results,
+            cfg_parallel: bool = False) -> None:
+    """A rank: join the process group once, then run each (target, kwargs) from `tasks` until None."""
     import torch
     import torch.distributed as dist
 
@@ -164,8 +199,10 @@ def _worker(target: str, kwargs: dict, rank: int, world: int, port: int, device:
         dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         ctx = _context(rank, world, dev, cfg_parallel)
-        value = _resolve(target)(**{**kwargs, "device": str(dev)}, parallel=ctx)
-        results.put((rank, "ok", value if rank == 0 else None))
+        while (task := tasks.get()) is not None:
+            target, kwargs = task
+            value = _resolve(target)(**{**kwargs, "device": str(dev)}, parallel=ctx)
+            results.put((rank, "ok", value if rank == 0 else None))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - report every failure to the parent, then die
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()

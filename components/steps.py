@@ -90,12 +90,20 @@ def load_engine(model: str, weights: str | None, device: str, dtype: str | None,
                 parallel: Any = None):
     """One engine per process, whatever number of shards it serves. `parallel`: this rank's
     ParallelContext when the step runs on tensor-parallel ranks (components.ranks passes it)."""
-    if parallel is not None:  # one rank process, one engine: nothing to cache
-        from components.engine import Engine
+    if parallel is not None:  # a rank of a RankPool: it keeps its engine for the job's next steps
+        key = (model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization, id(parallel))
+        if key not in _rank_engines:
+            from components.engine import Engine
 
-        return Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed, parallel=parallel,
-                           **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization))
+            _rank_engines.clear()  # one engine per rank process: a new model replaces the old one
+            _rank_engines[key] = Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed,
+                                             parallel=parallel,
+                                             **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization))
+        return _rank_engines[key]
     return _cached_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization)
+
+
+_rank_engines: dict[tuple, Any] = {}
 
 
 @lru_cache(maxsize=2)
@@ -336,21 +344,39 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "kv_store": kv_store, "device": resolve_device(args.device), "dtype": args.dtype, "seed": args.seed}
 
 
-def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_parallel: bool = False) -> Any:
+def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_parallel: bool = False,
+             pool: Any = None) -> Any:
     """Call a step's `run` (`module:function`) in this process, or, with tensor_parallel_size N > 1
-    (or a CFG-parallel DiT), on N rank processes that components.ranks starts: every rank computes,
-    rank 0 reads and writes. Returns rank 0's result."""
+    (or a CFG-parallel DiT), on N rank processes: every rank computes, rank 0 reads and writes.
+    `pool`: a components.ranks.RankPool that outlives this step (a job's shards then share the
+    ranks' engines); without one the ranks start and stop with the step. Returns rank 0's result."""
     import importlib
 
     world = int(kwargs.get("tensor_parallel_size") or 1)
     if world == 1 and not cfg_parallel:
         module, _, name = target.partition(":")
         return getattr(importlib.import_module(module), name)(**kwargs, progress=progress)
+    if pool is not None:
+        return pool.run(target, kwargs)
     from components.ranks import run_on_ranks
 
     try:
         return run_on_ranks(target, kwargs, world, kwargs.get("device", "cpu"), cfg_parallel=cfg_parallel)
     except ValueError as exc:  # more ranks than GPUs, an odd CFG-parallel size
+        raise ConfigError(str(exc)) from None
+
+
+def rank_pool(tensor_parallel_size: int, device: str) -> Any:
+    """A context manager: a RankPool for a job's tensor-parallel steps, or nothing at TP 1."""
+    import contextlib
+
+    if tensor_parallel_size <= 1:
+        return contextlib.nullcontext(None)
+    from components.ranks import RankPool
+
+    try:
+        return RankPool(tensor_parallel_size, device)
+    except ValueError as exc:  # more ranks than GPUs
         raise ConfigError(str(exc)) from None
 
 

@@ -29,7 +29,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
-    from components.steps import run_step
+    from components.steps import rank_pool, run_step
     from components.summary.run import run as run_summary
 
     generation = dict(steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
@@ -55,18 +55,20 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
                   tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_store=kv_store,
                   device=plan["device"], dtype=dtype, seed=seed)
     todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
-    with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2)) as bars:
+    # at TP > 1 the steps run on rank processes that live for the whole job: each rank loads its
+    # slice of the engine once, and AR and DiT steps of every shard share it
+    with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2)) as bars, \
+            rank_pool(tensor_parallel_size if todo else 1, plan["device"]) as pool:
         for shard in todo:
-            # each step runs here, or on its tensor-parallel ranks (the engine loads once per step then)
             if not ar_from_run:
                 run_step("components.ar.run:run", dict(
                     output=output, run_id=run_id, shard=shard, batch_size=batch_size, export_kv=kv_reuse,
                     **{k: gen[k] for k in ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k",
-                                           "top_p")}, **engine), bars)
+                                           "top_p")}, **engine), bars, pool=pool)
             run_step("components.dit.run:run", dict(
                 output=output, run_id=run_id, shard=shard, steps=gen["steps"], guidance=gen["guidance"],
                 flow_shift=gen["flow_shift"], kv_reuse=kv_reuse, save_latents=save_latents, step_cache=step_cache,
-                **engine), bars)
+                **engine), bars, pool=pool)
     summary = run_summary(output, run_id)
     summary.setdefault("wall_s", round(time.perf_counter() - t0, 3))
     return summary

@@ -78,3 +78,20 @@ def dit_killing_rank1(device: str, parallel, **kwargs) -> dict:
     from components.dit.run import run
 
     return run(device=device, parallel=parallel, **kwargs)
+
+
+_calls = 0
+
+
+def count_calls(device: str, parallel) -> int:
+    """How many times this rank process has run a task (a RankPool keeps its processes)."""
+    global _calls
+    _calls += 1
+    return _calls
+
+
+def engine_identity(device: str, parallel) -> int:
+    """id() of the tiny TP engine that steps.load_engine gives this rank (cached per rank)."""
+    from components.steps import load_engine
+
+    return id(load_engine("tiny", None, device, None, tensor_parallel_size=parallel.world_size, parallel=parallel))

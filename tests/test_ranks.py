@@ -28,3 +28,24 @@ def test_a_failed_rank_fails_the_step_and_stops_the_others(how):
 def test_more_ranks_than_gpus_is_one_line():
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 64 needs 64 GPUs, this machine has \d+"):
         run_on_ranks("tests.parallel_targets:sum_ranks", {"value": 0}, world_size=64, device="cuda")
+
+
+def test_a_rank_pool_keeps_its_processes_and_engines():
+    from components.ranks import RankPool
+
+    with RankPool(2, "cpu") as pool:
+        assert [pool.run("tests.parallel_targets:count_calls", {}) for _ in range(3)] == [1, 2, 3]
+        first = pool.run("tests.parallel_targets:engine_identity", {})
+        assert pool.run("tests.parallel_targets:engine_identity", {}) == first  # loaded once per rank
+    assert all(not p.is_alive() for p in pool.procs)
+
+
+def test_a_failure_ends_the_pool():
+    from components.ranks import RankPool
+
+    with RankPool(2, "cpu") as pool:
+        with pytest.raises(RankFailed, match="rank 1 of 2 failed"):
+            pool.run("tests.parallel_targets:fail_on_rank", {"bad_rank": 1, "how": "raise"})
+        with pytest.raises(RankFailed, match="stopped by an earlier failure"):
+            pool.run("tests.parallel_targets:count_calls", {})
+    assert all(not p.is_alive() for p in pool.procs)

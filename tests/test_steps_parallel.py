@@ -93,3 +93,25 @@ def test_a_killed_rank_fails_the_step_and_a_rerun_resumes(dataset, baseline, tmp
     assert layout.is_committed(0)
     rows = _rows(out, "kill")
     assert sorted(rows) == sorted(_rows(baseline, "tp1")) and all(r["status"] == "ok" for r in rows.values())
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_job_shares_its_ranks_across_shards(dataset, tmp_path):
+    """`ardit edit --tp 2` over 2 shards: one rank pool for the whole job (each rank loads the engine
+    once), every row ok, the same images as the single-process job."""
+    from pipeline.local import run_job
+
+    common = dict(kind="edit", num_shards=2, model="tiny", device="cpu", seed=0, progress=False,
+                  **{k: v for k, v in AR.items()}, **GEN)
+    ref = run_job(dataset, str(tmp_path), "tp1", tensor_parallel_size=1, **common)
+    got = run_job(dataset, str(tmp_path), "tp2", tensor_parallel_size=2, **common)
+    assert got["rows_ok"] == ref["rows_ok"] == 2
+    rows1 = {**_rows_of(str(tmp_path), "tp1")}
+    for row_id, row in _rows_of(str(tmp_path), "tp2").items():
+        assert row["kv_path"] == "reuse" and row["cot_text"] == rows1[row_id]["cot_text"]
+        assert psnr(_image(str(tmp_path), "tp2", row), _image(str(tmp_path), "tp1", rows1[row_id])) >= 60
+
+
+def _rows_of(output: str, run_id: str) -> dict[str, dict]:
+    layout = RunLayout.open(output, run_id)
+    return {r["id"]: r for k in range(2) for r in layout.read_rows(k).to_pylist()}
