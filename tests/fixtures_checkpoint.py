@@ -52,6 +52,12 @@ def write_official_checkpoint(directory: str | Path, variant: str = "instruct", 
     model = model.to_empty(device="cpu").float()
     init_dummy_weights(model, seed)
     save_pretrained(model, config, directory, max_shard_bytes=max_shard_bytes)
+    return write_tiny_checkpoint_files(directory, variant)
+
+
+def write_tiny_checkpoint_files(directory: str | Path, variant: str = "instruct") -> Path:
+    """The files beside the weights: tokenizer, system_prompt.py, generation_config.json."""
+    directory = Path(directory)
     write_tokenizer_files(directory)
     write_system_prompt_file(directory)
     write_generation_config_file(directory, generation_config(variant))

@@ -95,3 +95,32 @@ def engine_identity(device: str, parallel) -> int:
     from components.steps import load_engine
 
     return id(load_engine("tiny", None, device, None, tensor_parallel_size=parallel.world_size, parallel=parallel))
+
+
+def fp8_checkpoint_logits(checkpoint: str, device: str, parallel) -> dict:
+    """Load the tiny model from an FP8 checkpoint on this rank's slices; check every tensor it holds
+    is bitwise the matching slice of the unsliced model loaded from the same checkpoint (scales
+    follow output rows, whole for row-parallel weights; experts by global id); return the logits."""
+    import torch
+
+    from components.engine import Engine
+    from tests.test_engine_fp8 import _tp_logits_and_latents
+
+    engine = Engine.load(checkpoint, device=device, tensor_parallel_size=parallel.world_size, parallel=parallel)
+    full = Engine.load(checkpoint, device=device).model.state_dict()
+    slices = engine.model.load_slices
+    for name, local in engine.model.state_dict().items():
+        ref = full[name]
+        owner = name.removesuffix("_scale")
+        if name in slices.experts or owner in slices.experts:
+            first, end = slices.experts.get(name) or slices.experts[owner]
+            ref = ref[first:end]
+        spec = slices.ranges.get(name) or slices.ranges.get(owner)
+        if spec is not None and (spec[0] < ref.dim() and ref.shape[spec[0]] == spec[2]):
+            if not (name.endswith("_scale") and spec[0] != 0):  # a row-parallel weight's scale stays whole
+                ref = torch.cat([ref.narrow(spec[0], a, b - a) for a, b in spec[1]], dim=spec[0])
+        same = ref.shape == local.shape and torch.equal(ref.view(torch.uint8) if ref.element_size() == 1 else ref,
+                                                        local.view(torch.uint8) if local.element_size() == 1 else local)
+        if not same:
+            raise AssertionError(f"rank {parallel.rank}: {name} is not its slice of the unsliced model")
+    return _tp_logits_and_latents(engine)

@@ -452,6 +452,49 @@ def test_fp8_tensor_parallel_two_ranks(tmp_path):
         assert 0 < err_tp2 < 2 * err_tp1 + 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("block_scales", [False, True])
+def test_fp8_checkpoint_loads_on_tensor_parallel_ranks(tmp_path, tiny_plain, tiny_fp8, block_scales):
+    """An FP8 checkpoint (per-channel or block-wise scales) loads on TP2 ranks: each rank reads its
+    slices of the FP8 weights, the scales follow the output rows (whole for row-parallel layers),
+    its experts only: every rank's tensors are bitwise the slices of the unsliced model (checked on the
+    ranks). Outputs differ from TP1 only by the row-parallel layers' per-slice activation scales."""
+    from components.engine import Engine
+    from components.ranks import run_on_ranks
+    from tests.fixtures_checkpoint import write_tiny_checkpoint_files
+
+    ckpt = save_pretrained_fp8(tiny_fp8, tiny_plain.config, tmp_path / "fp8")
+    if block_scales:  # rewrite the dense projections with 2x2-block scales (DeepSeek-style weight_scale_inv)
+        _to_block_scales(ckpt)
+    write_tiny_checkpoint_files(ckpt)  # tokenizer, generation config: a loadable model directory
+    tp1 = _tp_logits_and_latents(Engine.load(str(ckpt)))
+    tp2 = run_on_ranks("tests.parallel_targets:fp8_checkpoint_logits", {"checkpoint": str(ckpt)}, world_size=2,
+                       device="cpu")
+    plain = _tp_logits_and_latents(Engine.load("tiny"))
+    for key in ("logits", "latents"):
+        err_tp1, err_tp2 = _rel(tp1[key], plain[key]), _rel(tp2[key], plain[key])
+        assert 0 < err_tp2 < 2 * err_tp1 + 1e-3, key  # as close to fp32 as TP1 FP8 is
+
+
+def _to_block_scales(ckpt) -> None:
+    """Replace each qkv_proj's per-channel weight_scale by an equivalent block-wise weight_scale_inv."""
+    from safetensors.torch import save_file
+
+    for path in ckpt.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name in [n for n in tensors if n.endswith("qkv_proj.weight_scale")]:
+            scale = tensors.pop(name).float().reshape(-1)
+            weight = tensors[name.replace("weight_scale", "weight")]
+            w = weight.float() * scale[:, None]
+            out, inp = w.shape
+            blocks = w.reshape(out // 2, 2, inp // 2, 2).abs().amax(dim=(1, 3)) / 448.0
+            blocks = blocks.clamp_min(1e-12)
+            grid = blocks.repeat_interleave(2, 0).repeat_interleave(2, 1)
+            tensors[name.replace("weight", "weight") + "_inv"] = blocks
+            tensors[name.replace("weight_scale", "weight")] = (w / grid).clamp(-448, 448).to(FP8)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 def test_fp8_kv_is_not_reused_by_a_bf16_engine():
     """FP8 weights give other K/V than full-precision ones: the payload's hash says which, and a DiT
     with the other weight format recomputes (with the reason) instead of reusing it."""

@@ -48,7 +48,7 @@ from torch import nn
 
 from .config import HunyuanImage3Config
 from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, _combine
-from .weights import CheckpointError, checkpoint_files
+from .weights import CheckpointError, LoadSlices, _expert_spec, _read, checkpoint_files
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -440,13 +440,15 @@ def is_fp8_checkpoint(directory: str | Path) -> bool:
 def fp8_checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) of a quantized model: official names, experts split per expert."""
     experts = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Experts)}
+    slices: LoadSlices = getattr(model, "load_slices", None) or LoadSlices()
     for name, tensor in model.state_dict().items():
         owner, _, leaf = name.rpartition(".")
         if owner in experts:
             which = leaf.removesuffix("_scale")
             kind = "weight_scale" if leaf.endswith("_scale") else "weight"
+            first = slices.experts.get(f"{owner}.{which}", (0, 0))[0]  # expert parallel: global ids
             for e in range(tensor.shape[0]):
-                yield f"{owner}.{e}.{which}.{kind}", tensor[e]
+                yield f"{owner}.{first + e}.{which}.{kind}", tensor[e]
         else:
             yield name, tensor
 
@@ -496,14 +498,28 @@ def _per_channel_scale(scale: torch.Tensor, weight: torch.Tensor, name: str) -> 
                      f"for weight {tuple(weight.shape)} (block-wise scales are named weight_scale_inv)")
 
 
-def _dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
-    out, inp = q.shape
+def _dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, name: str, spec=None) -> torch.Tensor:
+    """q (this rank's slice of the weight when `spec` says which) times its block scales."""
+    out, inp = list(q.shape)
+    if spec is not None:  # the blocks tile the full weight
+        out, inp = (spec[2], inp) if spec[0] == 0 else (out, spec[2])
     bo, bi = scale_inv.shape
     block_o, block_i = math.ceil(out / bo), math.ceil(inp / bi)
     if math.ceil(out / block_o) != bo or math.ceil(inp / block_i) != bi:
-        raise CheckpointError(f"{name}: block scale {tuple(scale_inv.shape)} does not tile weight {tuple(q.shape)}")
+        raise CheckpointError(f"{name}: block scale {tuple(scale_inv.shape)} does not tile weight {(out, inp)}")
     full = scale_inv.float().repeat_interleave(block_o, 0)[:out].repeat_interleave(block_i, 1)[:, :inp]
+    if spec is not None:
+        dim, ranges = spec[0], spec[1]
+        full = torch.cat([full.narrow(dim, start, end - start) for start, end in ranges], dim=dim)
     return q.float() * full.to(q.device)
+
+
+def _scale_spec(weight_spec, scale_shape) -> tuple | None:
+    """How to slice a per-channel scale: with the weight's output rows (dim 0), never along its
+    input columns (a row-parallel slice keeps every output channel's scale)."""
+    if weight_spec is None or weight_spec[0] != 0 or len(scale_shape) == 0 or scale_shape[0] == 1:
+        return None
+    return weight_spec
 
 
 @torch.no_grad()
@@ -514,17 +530,15 @@ def load_pretrained_fp8(model: nn.Module, directory: str | Path, strict: bool = 
     are copied and paired with their scale once all files are read."""
     from safetensors import safe_open
 
-    if getattr(model, "load_slices", None) is not None and (model.load_slices.ranges or model.load_slices.experts):
-        raise NotImplementedError("loading into a tensor-parallel FP8 model: slice FP8 weights and scales in "
-                                  "weights.load_pretrained (scales follow the output rows)")
     directory = Path(directory)
+    slices: LoadSlices = getattr(model, "load_slices", None) or LoadSlices()  # this rank's part (TP/EP)
     params = model.state_dict()
     linears = {n: m for n, m in fp8_modules(model) if isinstance(m, Fp8Linear)}
     experts = {n: m for n, m in fp8_modules(model) if isinstance(m, Fp8Experts)}
     expected = {name for name, _ in fp8_checkpoint_tensors(model)}
     seen: set[str] = set()
     unexpected: list[str] = []
-    raw_fp8: dict[str, tuple] = {}  # weight name -> (module, which, expert) awaiting its scale
+    raw_fp8: dict[str, tuple] = {}  # weight name -> (module, which, expert, spec) awaiting its scale
     scales: dict[str, torch.Tensor] = {}
 
     for path in checkpoint_files(directory):
@@ -533,18 +547,22 @@ def load_pretrained_fp8(model: nn.Module, directory: str | Path, strict: bool = 
                 m = _EXPERT.match(name)
                 target = None
                 if m and m["prefix"] in experts:
-                    target = (experts[m["prefix"]], m["which"], int(m["e"]), m["kind"])
-                    stem = f"{m['prefix']}.{m['e']}.{m['which']}"
+                    stacked = f"{m['prefix']}.{m['which']}"
+                    first, end = slices.experts.get(stacked, (0, experts[m["prefix"]].num_experts))
+                    if not first <= int(m["e"]) < end:
+                        continue  # another rank's expert
+                    target = (experts[m["prefix"]], m["which"], int(m["e"]) - first, m["kind"])
+                    stem, spec = f"{m['prefix']}.{m['e']}.{m['which']}", _expert_spec(slices.ranges.get(stacked))
                 else:
                     m = _LINEAR.match(name)
                     if m and m["prefix"] in linears:
                         target = (linears[m["prefix"]], None, None, m["kind"])
-                        stem = m["prefix"]
+                        stem, spec = m["prefix"], slices.ranges.get(f"{m['prefix']}.weight")
                 if target is None:  # a plain tensor
                     if name not in params:
                         unexpected.append(name)
                         continue
-                    tensor = f.get_tensor(name)
+                    tensor = _read(f, name, slices.ranges.get(name))
                     if tensor.shape != params[name].shape:
                         raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
                                          f"{tuple(params[name].shape)}")
@@ -554,16 +572,20 @@ def load_pretrained_fp8(model: nn.Module, directory: str | Path, strict: bool = 
                 module, which, e, kind = target
                 if kind == "input_scale":  # static activation scales: we scale activations dynamically
                     continue
-                tensor = f.get_tensor(name)
-                if kind != "weight":
-                    scales[f"{stem}.{kind}"] = tensor
+                if kind == "weight_scale":
+                    shape = f.get_slice(name).get_shape()
+                    scales[f"{stem}.{kind}"] = _read(f, name, _scale_spec(spec, shape))
                     continue
+                if kind == "weight_scale_inv":  # block-wise: kept whole, the blocks tile the full weight
+                    scales[f"{stem}.{kind}"] = f.get_tensor(name)
+                    continue
+                tensor = _read(f, name, spec)
                 dest = module.weight if which is None else getattr(module, which)[e]
                 if tensor.shape != dest.shape:
                     raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
                 if tensor.dtype == FP8:
                     dest.copy_(tensor)
-                    raw_fp8[stem] = (module, which, e)
+                    raw_fp8[stem] = (module, which, e, spec)
                 elif which is None:
                     module.set_weight_(tensor.to(dest.device))
                 else:
@@ -572,13 +594,13 @@ def load_pretrained_fp8(model: nn.Module, directory: str | Path, strict: bool = 
                 seen.add(f"{stem}.weight_scale")
 
     missing_scale = []
-    for stem, (module, which, e) in raw_fp8.items():
+    for stem, (module, which, e, spec) in raw_fp8.items():
         q = module.weight if which is None else getattr(module, which)[e]
         s = module.weight_scale if which is None else getattr(module, f"{which}_scale")[e]
         if f"{stem}.weight_scale" in scales:
             s.copy_(_per_channel_scale(scales[f"{stem}.weight_scale"], q, stem))
         elif f"{stem}.weight_scale_inv" in scales:
-            w = _dequantize_blockwise(q, scales[f"{stem}.weight_scale_inv"], stem)
+            w = _dequantize_blockwise(q, scales[f"{stem}.weight_scale_inv"], stem, spec)
             q2, s2 = quantize_rowwise(w)
             q.copy_(q2)
             s.copy_(s2)
