@@ -19,6 +19,11 @@ are forced.
 The kept CoT is the official `cot_text`: the trigger tag + the generated tokens through the first
 end token, decoded to text; the DiT re-encodes it through the template. Rows of different lengths
 are left-padded; padding keys are masked, so a row's tokens do not depend on its batch.
+
+Where `decode_graphs` selects it (auto: CUDA bf16, world size 1), the decode runs the static-shape
+step of kernels/decode.py, replayed as CUDA graphs, and picks every row's token on the device. Sampled
+tokens then follow each row's CUDA generator, seeded with the row's seed: the same seed gives the same
+tokens, but not the tokens of the CPU path, whose stream is the CPU generator's.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from PIL import Image
 
 from .generation_config import GenerationConfig, tiny_generation_config
 from .inputs import EncodedImage, embed_span, encode_cond_images, request_generator
+from .kernels.decode import DeviceSampler, StaticDecoder, batch_bucket, decode_mode
 from .kvcache import PromptKV
 from .sequence import CondImage, Sequence, SequenceBuilder, first_difference, parse_image_size
 from .system_prompts import TINY_SYSTEM_PROMPTS, resolve_system_prompt
@@ -184,10 +190,15 @@ class ARGenerator:
         sampling = (sampling or SamplingParams()).resolved(self.generation_config)
         with self.model.autocast():  # the official AR runs under CUDA autocast in the model dtype
             rows = [self._prepare(r) for r in requests]
+            mode = decode_mode(self.model)  # plain, or the static step (eager or CUDA graphs)
             t0 = time.perf_counter()
-            cache, logits, valid = self._prefill(rows, sampling)
+            cache, logits, valid = self._prefill(rows, sampling,
+                                                 None if mode == "plain" else batch_bucket(len(rows)))
             t1 = time.perf_counter()
-            steps = self._decode(rows, cache, logits, valid, sampling)
+            if mode == "plain":
+                steps = self._decode(rows, cache, logits, valid, sampling)
+            else:
+                steps = self._decode_static(rows, cache, logits, valid, sampling, mode == "graphs")
             t2 = time.perf_counter()
 
         outputs = []
@@ -251,7 +262,8 @@ class ARGenerator:
         row.done = bot_task == "image" and not need_ratio  # a fixed size needs no AR token (official)
         return row
 
-    def _prefill(self, rows: list[_Row], sampling: SamplingParams):
+    def _prefill(self, rows: list[_Row], sampling: SamplingParams, cache_rows: int | None = None):
+        """cache_rows: batch rows to allocate in the KV cache (the static decode's padded bucket)."""
         model, tok = self.model, self.tok
         length = max(len(r.seq.cond_ids) for r in rows)
         budget = sampling.max_new_tokens + 16  # forced closing tokens may exceed a tiny budget
@@ -269,7 +281,7 @@ class ARGenerator:
             valid[b, row.offset:length] = True
         slots = torch.arange(length).expand(batch, length)
         mask = attention_mask(slots, slots, blocks, blocks, valid[:, :length]).to(model.device)
-        cache = model.new_cache(batch, valid.shape[1])
+        cache = model.new_cache(batch, valid.shape[1], cache_rows)
         hidden = model.forward_layers(x, positions.to(model.device), mask, cache)
         cache.commit()
         return cache, model.text_logits(hidden[:, -1]), valid
@@ -297,21 +309,59 @@ class ARGenerator:
             logits = model.text_logits(hidden[:, -1])
             steps += 1
 
-    def _next_token(self, row: _Row, logits: torch.Tensor, sampling: SamplingParams) -> int | None:
-        """Pick the row's next token; None when the row is finished (or just finished: the stop
-        token is recorded but never fed)."""
-        if row.done:
-            return None
-        token = row.pending.pop(0) if row.pending else None  # official stage-transition processor
-        if token is None and row.ratio_trigger is not None and row.last == row.ratio_trigger:
-            choice = self.tok.ratio_choice_ids
-            token = choice[int(logits[choice].float().argmax())]  # official force_greedy ratio slice
-        if token is None and row.bot_task != "auto":
+    def _decode_static(self, rows: list[_Row], cache, logits: torch.Tensor, valid: torch.Tensor,
+                       sampling: SamplingParams, graphs: bool) -> int:
+        """`_decode` with the static-shape step (CUDA graphs where `graphs`) and the choice of
+        every row's token on the device: one host copy per step (kernels/decode.py)."""
+        model = self.model
+        decoder = StaticDecoder(model, cache, valid, [r.offset for r in rows], self.tok.pad, graphs)
+        generators = [r.generator if model.device.type == "cpu"
+                      else torch.Generator(model.device).manual_seed(request_seed(r.request.seed, r.request.id))
+                      for r in rows]
+        sampler = DeviceSampler(sampling, self.tok.vocab_size, self.tok.ratio_choice_ids, generators)
+        steps = 0
+        while True:
+            how = [None if r.done else self._how(r, sampling) for r in rows]
+            picked = [None] * len(rows)
+            if any(h in ("ratio", "sample") for h in how):
+                picked = sampler(logits, [h == "sample" for h in how])
+            next_ids = [self._next_token(row, None, sampling, picked[b]) for b, row in enumerate(rows)]
+            if all(t is None for t in next_ids):
+                return steps
+            logits = decoder.step(next_ids)
+            steps += 1
+
+    def _how(self, row: _Row, sampling: SamplingParams) -> str | int:
+        """How a live row's next token is chosen: "pending" (a forced stage transition), "ratio"
+        (the greedy ratio choice), a closing token id (out of budget), or "sample"."""
+        if row.pending:  # official stage-transition processor
+            return "pending"
+        if row.ratio_trigger is not None and row.last == row.ratio_trigger:
+            return "ratio"
+        if row.bot_task != "auto":
             closing = self._closing_path(row)
             if closing and len(row.generated) + len(closing) >= sampling.max_new_tokens:
-                token = closing[0]  # out of budget: close the CoT (see module docstring)
-        if token is None:
-            token = self._sample(logits, sampling, row.generator)
+                return closing[0]  # out of budget: close the CoT (see module docstring)
+        return "sample"
+
+    def _next_token(self, row: _Row, logits: torch.Tensor | None, sampling: SamplingParams,
+                    picked: tuple[int, int] | None = None) -> int | None:
+        """Pick the row's next token; None when the row is finished (or just finished: the stop
+        token is recorded but never fed). `picked`: the (ratio choice, sampled token) the device
+        computed for this row (`_decode_static`); else they come from `logits`."""
+        if row.done:
+            return None
+        how = self._how(row, sampling)
+        if how == "pending":
+            token = row.pending.pop(0)
+        elif how == "ratio":
+            choice = self.tok.ratio_choice_ids
+            # official force_greedy ratio slice
+            token = picked[0] if picked is not None else choice[int(logits[choice].float().argmax())]
+        elif how == "sample":
+            token = picked[1] if picked is not None else self._sample(logits, sampling, row.generator)
+        else:
+            token = how
         row.generated.append(token)
         row.last = token
         if not row.pending and token in row.transitions and token not in row.completed:

@@ -69,10 +69,15 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (batch, kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device | str, rows: int | None = None) -> None:
+        # rows > batch: buffers with spare batch rows for the static-shape decode (kernels/decode.py),
+        # which pads the batch up to a bucket; `k` / `v` show the first `batch` rows
+        shape = (max(rows or batch, batch), kv_heads, capacity, head_dim)
+        self.k_rows = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_rows = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        padded = shape[0] > batch
+        self.k = [t[:batch] for t in self.k_rows] if padded else self.k_rows
+        self.v = [t[:batch] for t in self.v_rows] if padded else self.v_rows
         self.length = 0
         self._pending = 0
 
@@ -126,6 +131,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
         head = F.scaled_dot_product_attention(q[:, :, :mask.rows], k, v, attn_mask=mask.mask, enable_gqa=True)
         tail = F.scaled_dot_product_attention(q[:, :, mask.rows:], k, v, enable_gqa=True)
         return torch.cat([head, tail], dim=2)
+    if hasattr(mask, "attend"):  # a kernel's own mask type computes the attention (kernels/decode.py)
+        return mask.attend(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -284,8 +291,10 @@ def moe_grouped(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
     flat_experts = experts.reshape(-1)  # (token, slot) order
     order = torch.argsort(flat_experts, stable=True)
     token = order // k
-    counts = torch.bincount(flat_experts, minlength=w_gate_up.shape[0])
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    # offs[e] = tokens routed to experts <= e; searchsorted, not bincount, whose CUDA kernel reads
+    # the max back to the host and so cannot be captured in a CUDA graph (kernels/decode.py)
+    experts_up_to = torch.arange(w_gate_up.shape[0], device=x.device, dtype=flat_experts.dtype)
+    offs = torch.searchsorted(flat_experts[order], experts_up_to, right=True).to(torch.int32)
     xs = x[token]
     h = _swiglu(torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs))
     y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
@@ -426,10 +435,10 @@ class HunyuanImage3ForCausalMM(nn.Module):
     def device(self) -> torch.device:
         return self.model.wte.weight.device
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
+    def new_cache(self, batch: int, capacity: int, rows: int | None = None) -> KVCache:
         attn = self.model.layers[0].self_attn  # per-rank head count under tensor parallelism
         return KVCache(len(self.model.layers), batch, attn.num_kv_heads, attn.head_dim, capacity,
-                       self.dtype, self.device)
+                       self.dtype, self.device, rows)
 
     def kv_hash(self) -> str:
         """What a prompt's K/V depends on besides its tokens: the config, and how the weights are

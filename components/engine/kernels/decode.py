@@ -1,0 +1,270 @@
+"""AR decode with static shapes and CUDA graphs, and sampling on the device (issue 12, item 3).
+
+The plain decode step (`ARGenerator._decode`) slices the KV cache to the filled length and builds a
+fresh mask on the host for every token, so its shapes change every step and every step pays the
+launch cost of a few hundred small kernels. `StaticDecoder` runs a step whose shapes stay fixed
+over a whole span of tokens, so one CUDA graph per (batch bucket, span) replays it:
+
+- the batch is padded up to a bucket (1, 2, 4, ..., 64): the KV cache is allocated with that many
+  rows (`KVCache(rows=...)`); a padded row feeds a pad token and sees only itself;
+- the step's inputs (tokens, which rows are live, the cache slot) are one int64 device buffer,
+  filled by one host-to-device copy; the new K/V is written at the slot with `index_copy_`;
+- attention covers a fixed span of cache slots (the filled length rounded up to SPAN_STEP, at most
+  the capacity) under a device validity mask: left padding, finished rows' masked pads and unused
+  slots are masked, and a query always sees its own slot, as in `attention_mask`;
+- RoPE positions are the slot minus each row's left padding, computed on the device;
+- attention is SDPA with the mask, the query heads of each KV group passed as `groups` queries of
+  one head (equal head counts: a fused kernel whose replays matched the eager step bitwise).
+
+On CUDA in bf16 one graph is captured per span and replayed; elsewhere the same step runs
+eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks keep the plain path:
+a graph would hold the NCCL all-reduces of every layer. The graphs belong to one `StaticDecoder`,
+i.e. to one AR batch: they hold the addresses of its KV cache and are captured again for the next.
+
+`DeviceSampler` picks every row's token on the logits' device, with one host copy per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import enabled
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SPAN_STEP = 1024  # attention span granularity: a new graph every SPAN_STEP tokens
+
+
+def batch_bucket(batch: int) -> int:
+    """The padded batch a static decode step runs: the next bucket, or a multiple of the largest."""
+    for b in BATCH_BUCKETS:
+        if batch <= b:
+            return b
+    top = BATCH_BUCKETS[-1]
+    return -(-batch // top) * top
+
+
+def decode_mode(model) -> str:
+    """"plain" (ARGenerator._decode), "eager" (the static step without graphs) or "graphs".
+
+    `decode_graphs=auto` picks graphs for CUDA bf16; `on` forces the static step anywhere (eager on
+    the CPU and in other dtypes, whose per-expert MoE loop reads counts back to the host and so
+    cannot be captured). Tensor-parallel ranks (world size > 1) always decode plainly."""
+    weight = model.model.wte.weight
+    parallel = getattr(model, "parallel", None)
+    if parallel is not None and parallel.world_size > 1:
+        return "plain"
+    if not enabled("decode_graphs", weight, "on"):
+        return "plain"
+    return "graphs" if weight.is_cuda and weight.dtype == torch.bfloat16 else "eager"
+
+
+# Attention of the static step: each KV group's query heads become `groups` queries of one head,
+# so SDPA sees equal head counts and its fused kernel reads each K/V block once per group; its
+# graph replays were bitwise equal to the eager step in every measurement. SDPA's own
+# masked GQA (what the plain step runs) is faster at small batches (one layer, KV 6.8k, H100: 24 vs
+# 153 us at batch 1, 98 vs 162 at 8, 634 vs 670 at 64) but its results differed between a replay
+# and the eager step (max abs 0.59 after 4 layers at batch 1), so it is used only below this many
+# (row, KV head) pairs: 0, i.e. never, by default (docs/benchmarks.md).
+GROUPED_FROM = 0
+
+
+class DecodeMask:
+    """Validity mask of a one-token decode step, keep [B, 1, 1, S] over the static span of the
+    cache; computes the attention itself (`transformer.attend` defers to `attend`)."""
+
+    def __init__(self, keep: torch.Tensor) -> None:
+        self.keep = keep
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, heads, t, d = q.shape  # t == 1
+        kv_heads = k.shape[1]
+        if b * kv_heads < GROUPED_FROM:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.keep, enable_gqa=True)
+        grouped = q.reshape(b, kv_heads, heads // kv_heads * t, d)  # head h -> group h // groups
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=self.keep)
+        return out.reshape(b, heads, t, d)
+
+
+class _SlotWriter:
+    """Stands in for the KVCache in `Attention.forward`: writes the step's K/V at the device slot
+    and returns the static span of the cache."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], slot: torch.Tensor, span: int) -> None:
+        self.k, self.v, self.slot, self.span = k, v, slot, span
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer].index_copy_(2, self.slot, k)
+        self.v[layer].index_copy_(2, self.slot, v)
+        return self.k[layer][:, :, :self.span], self.v[layer][:, :, :self.span]
+
+
+def _capture_autocast():
+    """The ambient autocast, without its cast cache: a cast cached outside the capture would be
+    baked into the graph by address and freed when the autocast context exits."""
+    if not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+
+
+class StaticDecoder:
+    """One AR batch's decode steps at static shapes (see the module docstring).
+
+    cache: the prefilled KVCache, allocated with `batch_bucket(batch)` rows; valid [batch,
+    capacity] bool: which slots hold real tokens after the prefill; offsets: each row's left
+    padding; graphs: capture and replay CUDA graphs (else run the same step eagerly).
+    """
+
+    def __init__(self, model, cache, valid: torch.Tensor, offsets: list[int], pad_id: int,
+                 graphs: bool) -> None:
+        self.model, self.cache = model, cache
+        self.batch = len(offsets)
+        self.rows = cache.k_rows[0].shape[0]
+        self.capacity = cache.capacity
+        self.pad_id = pad_id
+        self.use_graphs = graphs
+        device = model.device
+        n = self.rows
+        self.valid = torch.zeros(n, self.capacity, dtype=torch.bool, device=device)
+        self.valid[:self.batch] = valid.to(device)
+        offs = torch.full((n,), cache.length, dtype=torch.long)  # padded rows: positions from 0
+        offs[:self.batch] = torch.tensor(offsets, dtype=torch.long)
+        self.offsets = offs.to(device)
+        self.slots = torch.arange(self.capacity, device=device)
+        # per step: token ids [n], live flags [n], the cache slot [1]
+        self.inputs = torch.zeros(2 * n + 1, dtype=torch.long, device=device)
+        self._host = torch.zeros(2 * n + 1, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_error: str | None = None
+
+    def span(self, slot: int) -> int:
+        """How many cache slots the step at `slot` attends over."""
+        return min(self.capacity, -(-(slot + 1) // SPAN_STEP) * SPAN_STEP)
+
+    def forward(self, span: int) -> torch.Tensor:
+        """The static step on the current `inputs`: logits [rows, vocab] (float32). Captured as is."""
+        return self.model.text_logits(self.layers(span)[:, -1])
+
+    def layers(self, span: int) -> torch.Tensor:
+        """The decoder layers of the static step: last hidden states [rows, 1, hidden]."""
+        model, n = self.model, self.rows
+        ids, live, slot = self.inputs[:n], self.inputs[n:2 * n] != 0, self.inputs[2 * n:]
+        self.valid.index_copy_(1, slot, live.unsqueeze(1))  # finished and padded rows feed masked pads
+        keep = self.valid[:, :span] | (self.slots[:span] == slot)  # a query always sees itself
+        positions = (slot - self.offsets).to(torch.float64).view(n, 1, 1).expand(n, 1, 2)
+        writer = _SlotWriter(self.cache.k_rows, self.cache.v_rows, slot, span)
+        return model.forward_layers(model.embed_ids(ids.view(n, 1)), positions,
+                                    DecodeMask(keep.view(n, 1, 1, span)), writer)
+
+    def set_inputs(self, tokens: list[int | None]) -> int:
+        """Copy one step's inputs to the device (None: a finished row, which feeds a masked pad)."""
+        slot = self.cache.length
+        if slot >= self.capacity:
+            raise RuntimeError(f"KV cache overflow: {slot + 1} > capacity {self.capacity}")
+        n = self.rows
+        ids = [self.pad_id if t is None else t for t in tokens] + [self.pad_id] * (n - len(tokens))
+        live = [int(t is not None) for t in tokens] + [0] * (n - len(tokens))
+        self._host.copy_(torch.tensor(ids + live + [slot], dtype=torch.long))
+        self.inputs.copy_(self._host, non_blocking=True)
+        return slot
+
+    def step(self, tokens: list[int | None]) -> torch.Tensor:
+        """Feed one token per row; the next logits [batch, vocab]. The cache's length advances by
+        one, as `KVCache.commit` after a plain step. With graphs, the logits are a static buffer
+        that the next step overwrites."""
+        slot = self.set_inputs(tokens)
+        logits = self.run(self.span(slot))
+        self.cache.length = slot + 1
+        return logits[:self.batch]
+
+    def run(self, span: int) -> torch.Tensor:
+        if not self.use_graphs:
+            return self.forward(span)
+        entry = self.graphs.get(span)
+        if entry is None:
+            try:
+                entry = self.graphs[span] = self.capture(lambda: self.forward(span))
+            except RuntimeError as e:  # an op that syncs with the host cannot be captured
+                warnings.warn(f"decode graphs: capture failed, decoding eagerly ({e})", stacklevel=2)
+                self.graph_error, self.use_graphs = str(e), False
+                torch.cuda.synchronize()
+                return self.forward(span)
+        graph, logits = entry
+        graph.replay()
+        return logits
+
+    @staticmethod
+    def capture(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A CUDA graph of fn() (an idempotent static step) and its output buffer."""
+        # warm up on a side stream first: lazy initialisations (cuBLAS handles, workspaces) must
+        # not happen during capture. The step is idempotent (same K/V at the same slot), so the
+        # warm-up, and the replay that follows the capture, compute the same thing.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), _capture_autocast():
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with _capture_autocast(), torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+
+class DeviceSampler:
+    """HF `generate`'s choice for all rows at once on the logits' device, one host copy per step.
+
+    Greedy: argmax. Sampled: temperature -> top-k -> top-p (HF's warper semantics: top-k keeps ties
+    with the k-th score; top-p drops the ascending-sorted tokens whose cumulative probability is
+    <= 1 - top_p, keeping at least one) -> one draw per row. The draw is the algorithm
+    torch.multinomial uses for one sample (argmax of p / q with q ~ Exp(1)), with q drawn from the
+    row's own generator, only for rows that sample this step: on the CPU with the same generator
+    it picks the same token as `torch.multinomial(p, 1, generator)`, and a row's draws never depend
+    on the other rows. On CUDA the tokens follow each row's CUDA generator (seeded with the row's
+    seed), so they are reproducible per seed but differ from the CPU stream's.
+    """
+
+    def __init__(self, sampling, vocab_size: int, ratio_ids: list[int], generators: list[torch.Generator]) -> None:
+        self.sampling, self.vocab_size, self.generators = sampling, vocab_size, generators
+        self.ratio_ids = torch.tensor(ratio_ids, dtype=torch.long)
+        if generators:
+            self.ratio_ids = self.ratio_ids.to(generators[0].device)
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scores [B, V] float32 after the vocabulary mask, temperature, top-k and top-p."""
+        sp = self.sampling
+        scores = logits.float().clone()
+        scores[:, self.vocab_size:] = float("-inf")  # padded vocab rows are never tokens
+        if sp.greedy:
+            return scores
+        scores = scores / sp.temperature
+        if sp.top_k and sp.top_k > 0:
+            kth = scores.topk(min(sp.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if sp.top_p is not None and sp.top_p < 1.0:
+            ascending, order = scores.sort(dim=-1)
+            drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - sp.top_p
+            drop[:, -1:] = False
+            scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        return scores
+
+    def pick(self, logits: torch.Tensor, sample_rows: list[bool]) -> torch.Tensor:
+        """Tokens [B] on the device: argmax, or the multinomial draw for rows in `sample_rows`."""
+        scores = self.warp(logits)
+        if self.sampling.greedy or not any(sample_rows):
+            return scores.argmax(dim=-1)
+        probs = scores.softmax(dim=-1)
+        noise = torch.ones_like(probs)
+        for b, draw in enumerate(sample_rows):
+            if draw:
+                noise[b].exponential_(1, generator=self.generators[b])
+        return (probs / noise).argmax(dim=-1)
+
+    def __call__(self, logits: torch.Tensor, sample_rows: list[bool]) -> list[tuple[int, int]]:
+        """Per row (the greedy ratio choice among `ratio_ids`, the sampled token), in one copy."""
+        ratio_ids = self.ratio_ids.to(logits.device)
+        ratio = ratio_ids[logits[:, ratio_ids].float().argmax(dim=-1)]
+        both = torch.stack([ratio, self.pick(logits, sample_rows)], dim=1)
+        return [tuple(r) for r in both.tolist()]
