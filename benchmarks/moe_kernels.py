@@ -30,12 +30,14 @@ import torch
 from engine_layers import AR_KV, build_stack
 
 from components.engine import kernels
+from components.engine.kernels import moe as moe_kernels
 from components.engine.kernels.compiled import call_compiled, compile_failures
 from components.engine.kernels.moe import combine_sorted, inverse_order, moe_fused, sort_by_expert, swiglu
 from components.engine.transformer import MoE, _swiglu, moe_grouped, moe_loop
 
 SHAPES = {"dit": 2 * 3954, "b1": 1, "b8": 8, "b64": 64}
 DEVICE = "cuda"
+PROFILE = ""  # where the DiT-shape kernel profile of the fused MoE goes (--profile)
 
 
 def cuda_ms(fn, warmup: int = 3, repeat: int = 10) -> float:
@@ -88,6 +90,11 @@ def bench_moe(moe: MoE, n: int) -> dict:
     grouped, fused = with_impl(moe, "grouped"), with_impl(moe, "fused")
     r["whole_grouped_ms"] = cuda_ms(lambda: grouped(x), **reps)
     r["whole_fused_ms"] = cuda_ms(lambda: fused(x), **reps)
+    threshold = moe_kernels.SIDE_STREAM_MIN_TOKENS
+    moe_kernels.SIDE_STREAM_MIN_TOKENS = 1 if threshold > n else 1 << 62  # the other choice, for comparison
+    r["whole_fused_other_stream_choice_ms"] = cuda_ms(lambda: fused(x), **reps)
+    moe_kernels.SIDE_STREAM_MIN_TOKENS = threshold
+    r["side_stream_used"] = n >= threshold
     if n > 1000:  # where the time goes in the fused path
         h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
         y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
@@ -108,24 +115,41 @@ def bench_moe(moe: MoE, n: int) -> dict:
     ref = moe_loop(x.float(), w, e, w1.float(), w2.float())  # which rounds less: against fp32 math
     r["fused_vs_fp32_rel_err"], r["grouped_vs_fp32_rel_err"] = rel(rf, ref), rel(rg, ref)
     del ref
-    # CUDA graph of the whole fused MoE: no host sync on the hot path, or the capture fails
-    try:
-        static_x = x.clone()
-        fused(static_x)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = fused(static_x)
-        graph.replay()
-        torch.cuda.synchronize()
-        r["graph_vs_eager_fused_bitwise"] = bool(torch.equal(static_out, fused(x)))
-        r["whole_fused_graph_ms"] = cuda_ms(graph.replay, **reps)
-    except Exception as exc:  # noqa: BLE001 - reported, the rest still runs
-        r["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    # CUDA graphs of the whole MoE: no host sync on the hot path, or the capture fails
+    for name, run in (("fused", fused), ("grouped", grouped)):
+        try:
+            static_x = x.clone()
+            run(static_x)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = run(static_x)
+            graph.replay()
+            torch.cuda.synchronize()
+            r[f"graph_vs_eager_{name}_bitwise"] = bool(torch.equal(static_out, run(x)))
+            r[f"whole_{name}_graph_ms"] = cuda_ms(graph.replay, **reps)
+            del graph, static_out
+        except Exception as exc:  # noqa: BLE001 - reported, the rest still runs
+            r[f"graph_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if n > 1000 and PROFILE:  # kernel by kernel, the GPU's own times
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fused(x)
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        try:
+            text = averages.table(sort_by="device_time_total", row_limit=25)
+        except Exception:  # noqa: BLE001 - older name of the column
+            text = averages.table(sort_by="cuda_time_total", row_limit=25)
+        with open(PROFILE, "w") as f:
+            f.write(text)
     g = r["bare_gemms_ms"]
     for name in ("routed_grouped", "routed_fused"):
         r[f"{name}_overhead_pct"] = 100 * (r[f"{name}_ms"] - g) / g
-    for name in ("whole_grouped", "whole_fused", "whole_fused_graph"):
+    for name in ("whole_grouped", "whole_fused", "whole_fused_graph", "whole_grouped_graph",
+                 "whole_fused_other_stream_choice"):
         if f"{name}_ms" in r:
             r[f"{name}_overhead_pct"] = 100 * (r[f"{name}_ms"] - g - r["shared_expert_ms"]) / g
     return r
@@ -205,9 +229,10 @@ def guarded(res: dict, name: str, fn, *args) -> None:
 
 
 def table(res: dict) -> str:
+    nan = float("nan")
     lines = [f"device {res['device']}, torch {res['torch']}; kernels {res['kernels']}",
              f"{'shape':6} {'gemms':>7} {'shared':>7} {'route':>6} {'r.grp':>7} {'r.fus':>7} {'ovh grp':>8} "
-             f"{'ovh fus':>8} {'W.grp':>7} {'W.fus':>7} {'W.graph':>7} {'ovhW fus':>8} {'rel err':>8}"]
+             f"{'ovh fus':>8} {'W.grp':>7} {'W.fus':>7} {'G.grp':>7} {'G.fus':>7} {'ovhG fus':>8} {'rel err':>8}"]
     for s in SHAPES:
         r = res.get(f"moe_{s}", {})
         if "bare_gemms_ms" not in r:
@@ -216,10 +241,11 @@ def table(res: dict) -> str:
         lines.append(f"{s:6} {r['bare_gemms_ms']:7.3f} {r['shared_expert_ms']:7.3f} {r['route_ms']:6.3f} "
                      f"{r['routed_grouped_ms']:7.3f} {r['routed_fused_ms']:7.3f} "
                      f"{r['routed_grouped_overhead_pct']:7.1f}% {r['routed_fused_overhead_pct']:7.1f}% "
-                     f"{r['whole_grouped_ms']:7.3f} {r['whole_fused_ms']:7.3f} {r.get('whole_fused_graph_ms', float('nan')):7.3f} "
-                     f"{r['whole_fused_overhead_pct']:7.1f}% {r['fused_vs_grouped_rel_err']:8.1e}")
-    lines.append("(ms; r. = route + routed experts; W. = whole MoE incl. shared expert; ovh = over bare GEMMs "
-                 "[whole: minus the shared expert alone])")
+                     f"{r['whole_grouped_ms']:7.3f} {r['whole_fused_ms']:7.3f} "
+                     f"{r.get('whole_grouped_graph_ms', nan):7.3f} {r.get('whole_fused_graph_ms', nan):7.3f} "
+                     f"{r.get('whole_fused_graph_overhead_pct', nan):7.1f}% {r['fused_vs_grouped_rel_err']:8.1e}")
+    lines.append("(ms; r. = route + routed experts; W. = whole MoE incl. shared expert, eager; G. = the same in a "
+                 "CUDA graph; ovh = over bare GEMMs [whole: minus the shared expert alone])")
     bi = res.get("batch_invariance", {})
     if "cost_x" in bi:
         lines.append(f"batch-invariant AR, tiny bf16, 8 rows x {bi['max_new_tokens']} tokens: batched "
@@ -240,7 +266,10 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--skip", default="", help="comma list of parts to skip: moe, batch, decode")
+    parser.add_argument("--profile", default="", help="write the fused MoE's kernel profile (DiT shape) here")
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.time()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
