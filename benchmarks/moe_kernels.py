@@ -165,6 +165,11 @@ def _ar_rows():
     return [ARRequest(f"r{i}", p, [], bot_task="think_recaption", seed=i) for i, p in enumerate(prompts)]
 
 
+def _same_kv(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.prompt_kv.keys + a.prompt_kv.values,
+                                                 b.prompt_kv.keys + b.prompt_kv.values))
+
+
 @torch.no_grad()
 def bench_batch_invariance(max_new_tokens: int) -> dict:
     from components.engine import ARRequest, Engine, SamplingParams
@@ -176,8 +181,8 @@ def bench_batch_invariance(max_new_tokens: int) -> dict:
         prev = kernels.configure(batch_invariant=mode)
         try:
             eng.generate_ar(_ar_rows(), sp)  # warm-up (compiles)
-            times, steps = [], []
-            for _ in range(3):
+            times = []
+            for _ in range(5):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 res = eng.generate_ar(_ar_rows(), sp)
@@ -185,6 +190,12 @@ def bench_batch_invariance(max_new_tokens: int) -> dict:
                 times.append(time.perf_counter() - t0)
             out[f"ar_8rows_{mode}_s"] = statistics.median(times)
             out[f"generated_tokens_{mode}"] = sum(len(o.generated_ids) for o in res)
+            # every row: batched (8) vs alone, and r1 among other neighbours
+            alone = [eng.generate_ar([r], sp)[0] for r in _ar_rows()]
+            out[f"rows_tokens_differ_batched_vs_alone_{mode}"] = sum(
+                x.generated_ids != y.generated_ids for x, y in zip(res, alone))
+            out[f"rows_kv_differ_batched_vs_alone_{mode}"] = sum(
+                not _same_kv(x, y) for x, y in zip(res, alone) if x.generated_ids == y.generated_ids)
             # the same row (r1) in two batches of other neighbours, left-padded to other lengths
             rows = _ar_rows()
             a = eng.generate_ar(rows[:5], sp)[1]
@@ -253,6 +264,10 @@ def table(res: dict) -> str:
                      f"row bitwise across batches: off tokens={bi['row_tokens_equal_off']} kv={bi['row_kv_bitwise_off']} "
                      f"(max diff {bi['row_kv_max_diff_off']:.3g}), on tokens={bi['row_tokens_equal_on']} "
                      f"kv={bi['row_kv_bitwise_on']}")
+        lines.append(f"  8 rows batched vs each alone: rows with other tokens off/on "
+                     f"{bi['rows_tokens_differ_batched_vs_alone_off']}/{bi['rows_tokens_differ_batched_vs_alone_on']}, "
+                     f"rows with other K/V (same tokens) off/on {bi['rows_kv_differ_batched_vs_alone_off']}/"
+                     f"{bi['rows_kv_differ_batched_vs_alone_on']}")
     d = res.get("decode_layer", {})
     if "decode_b1_ms" in d:
         lines.append(f"full-width layer decode KV 6.8k: b1 {d['decode_b1_ms']:.3f} ms, b8 {d['decode_b8_ms']:.3f} ms "

@@ -26,17 +26,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import fast_device, settings
+from . import enabled, settings
 from .compiled import call_compiled
 
 
 def choose_impl(x: torch.Tensor) -> str:
     """The routed-expert path for tokens x from the `moe` kernel setting: loop | grouped | fused;
     `auto` is fused for CUDA bfloat16 (where torch._grouped_mm runs) and the loop elsewhere."""
+    if enabled("moe", x, "fused"):
+        return "fused"
     value = settings().moe
-    if value != "auto":
-        return value
-    return "fused" if fast_device(x) and hasattr(torch, "_grouped_mm") else "loop"
+    return "loop" if value == "auto" else value
 
 
 def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
