@@ -28,6 +28,7 @@ import traceback
 import torch
 
 from engine_layers import AR_KV, build_stack
+from engine_layers import cuda_time as cuda_ms
 
 from components.engine import kernels
 from components.engine.kernels import moe as moe_kernels
@@ -38,22 +39,6 @@ from components.engine.transformer import MoE, _swiglu, moe_grouped, moe_loop
 SHAPES = {"dit": 2 * 3954, "b1": 1, "b8": 8, "b64": 64}
 DEVICE = "cuda"
 PROFILE = ""  # where the DiT-shape kernel profile of the fused MoE goes (--profile)
-
-
-def cuda_ms(fn, warmup: int = 3, repeat: int = 10) -> float:
-    """Median milliseconds of fn() by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,8 +11,11 @@
                in slot order: deterministic (no atomics), no scatter back to token order first
 
 No Python loop over experts and no host sync: the whole dispatch can be captured in a CUDA graph.
-`MoE.forward` runs the shared expert on a side CUDA stream meanwhile (`start_on_side_stream`), so
-its GEMMs fill the GPU while the memory-bound steps of the routed path run.
+`MoE.forward` runs the shared expert on a side CUDA stream meanwhile (`start_on_side_stream`, from
+1 024 tokens), so its GEMMs can fill the GPU while the memory-bound steps of the routed path run.
+Measured at the DiT shape (docs/benchmarks.md): route + dispatch + combine ≈ 18 % over the bare
+grouped GEMMs (grouped path: 49 %); what is left is the gather and SwiGLU, which only a grouped GEMM
+with an indexed A operand and a SwiGLU epilogue would remove.
 
 Against the grouped path (`moe_grouped`, bitwise equal to the per-expert loop) it differs only in
 rounding: SwiGLU rounds once instead of twice and the combine weights stay fp32 (the grouped path
