@@ -29,6 +29,7 @@ import torch
 
 from components.engine import quant
 from components.engine.config import get_config
+from components.engine.kernels.compiled import call_compiled
 from components.engine.quant import (
     Fp8Experts,
     Fp8Linear,
@@ -129,13 +130,13 @@ def ceilings() -> dict:
 def check_quantize_kernels() -> dict:
     out = {}
     x = randn(DIT_TOKENS, H)
-    q1, s1 = quant._run_compiled(quantize_rowwise, x)
+    q1, s1 = call_compiled(quantize_rowwise, x)
     q2, s2 = quantize_rowwise(x)
     out["quantize_x_bitwise_equal"] = bool(torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
                                            and torch.equal(s1, s2))
     out["quantize_x_mismatch_fraction"] = (q1.view(torch.uint8) != q2.view(torch.uint8)).float().mean().item()
     h = randn(4096, 2 * I)
-    q1, s1 = quant._run_compiled(swiglu_quantize_rowwise, h)
+    q1, s1 = call_compiled(swiglu_quantize_rowwise, h)
     q2, s2 = swiglu_quantize_rowwise(h)
     out["swiglu_quantize_mismatch_fraction"] = (q1.view(torch.uint8) != q2.view(torch.uint8)).float().mean().item()
     out["swiglu_quantize_scale_rel"] = rel(s1, s2)
@@ -248,12 +249,12 @@ def time_gemms(layer: DecoderLayer, layer8: DecoderLayer, n_tokens: int) -> dict
     except Exception as ex:  # noqa: BLE001
         out["fp8_fast_accum_ms"] = f"{type(ex).__name__}: {ex}"[:200]
     if n_tokens == DIT_TOKENS:
-        out["quantize_x_compiled_ms"] = cuda_ms(lambda: quant._run_compiled(quantize_rowwise, xs[:n_tokens]))
+        out["quantize_x_compiled_ms"] = cuda_ms(lambda: call_compiled(quantize_rowwise, xs[:n_tokens]))
         out["swiglu_quantize_compiled_ms"] = cuda_ms(
-            lambda: quant._run_compiled(swiglu_quantize_rowwise, torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)))
+            lambda: call_compiled(swiglu_quantize_rowwise, torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)))
         out["first_gemm_alone_bf16_ms"] = cuda_ms(lambda: torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs))
         out["swiglu_quantize_eager_ms"] = cuda_ms(lambda: swiglu_quantize_rowwise(h))
-        out["swiglu_quantize_compiled_only_ms"] = cuda_ms(lambda: quant._run_compiled(swiglu_quantize_rowwise, h))
+        out["swiglu_quantize_compiled_only_ms"] = cuda_ms(lambda: call_compiled(swiglu_quantize_rowwise, h))
         out["swiglu_bf16_ms"] = cuda_ms(lambda: _swiglu(h))
     return out
 

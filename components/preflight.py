@@ -87,7 +87,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
               weights: str | None, dummy_weights: bool, tensor_parallel_size: int, quantization: str | None,
               kv_store: str | None, kv_reuse: bool, device: str, dtype: str | None, seed: int, batch_size: int,
               generation: dict[str, Any], greedy: bool = False, ar_from_run: str | None = None,
-              step_cache: float = 0.0) -> dict[str, Any]:
+              step_cache: float = 0.0, batch_invariant: bool = False) -> dict[str, Any]:
     """Every check of a local job, cheapest first. Returns what the job needs resolved:
     device, generation settings, the row validators and the settings each step remembers."""
     from components.ar.run import ar_settings
@@ -121,7 +121,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     validators = model_validators(model)  # its tokenizer and resolution buckets load
     check_output(output)
     ar = ({"ar_from_run": ar_from_run} if ar_from_run else
-          ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
+          ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, batch_invariant))
     dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache)
     layout.check_settings("ar", ar)  # a resumed run: same settings, or a clear refusal
     layout.check_settings("dit", dit)

@@ -87,6 +87,9 @@ Seed = Annotated[int, typer.Option("--seed", help="base seed for rows without th
 Dataset = Annotated[str, typer.Argument(help="the dataset: a Parquet file, a directory of them, or "
                                               "s3://bucket/prefix (columns: see the README)")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="rows per batched AR prefill/decode")]
+BatchInvariant = Annotated[bool, typer.Option(
+    "--batch-invariant", help="each row's AR computed alone: its CoT, K/V and image are bitwise independent of "
+    "its batch and shard (slower AR decode)")]
 
 
 def _resume_command(run_id: str | None) -> str:
@@ -146,13 +149,14 @@ def _job_command(kind: str):
         bot_task: BotTask = None, system_prompt: SystemPrompt = None, max_new_tokens: MaxNewTokens = None,
         temperature: Temperature = None, top_k: TopK = None, top_p: TopP = None, greedy: Greedy = False,
         no_kv_reuse: NoKVReuse = False, seed: Seed = 0, batch_size: BatchSize = 8, step_cache: StepCache = 0.0,
+        batch_invariant: BatchInvariant = False,
     ) -> None:
         _run(kind, dataset, output, run_id, num_shards=num_shards, kv_store=kv_store, model=model, weights=weights,
              dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
              dtype=dtype, device=device, steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
              system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
              top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=batch_size,
-             step_cache=step_cache)
+             step_cache=step_cache, batch_invariant=batch_invariant)
 
     return command
 

@@ -19,7 +19,8 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
             top_k: int | None = None, top_p: float | None = None, greedy: bool = False, bot_task: str | None = None,
             system_prompt: str | None = None, batch_size: int = 8, max_new_tokens: int | None = None,
             device: str = "auto", save_latents: bool = False, ar_from_run: str | None = None, step_cache: float = 0.0,
-            progress: bool | str = "auto", on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+            batch_invariant: bool = False, progress: bool | str = "auto",
+            on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run a whole batch job; returns summary.json's content. Re-running a run id resumes it.
 
     Generation settings left None come from the model's generation config. Everything the job
@@ -39,7 +40,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
                      weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
                      quantization=quantization, kv_store=kv_store, kv_reuse=kv_reuse, device=device, dtype=dtype,
                      seed=seed, batch_size=batch_size, generation=generation, greedy=greedy,
-                     ar_from_run=ar_from_run, step_cache=step_cache)
+                     ar_from_run=ar_from_run, step_cache=step_cache, batch_invariant=batch_invariant)
     if on_start is not None:
         on_start()
     gen, layout = plan["generation"], plan["layout"]
@@ -63,6 +64,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
             if not ar_from_run:
                 run_step("components.ar.run:run", dict(
                     output=output, run_id=run_id, shard=shard, batch_size=batch_size, export_kv=kv_reuse,
+                    batch_invariant=batch_invariant,
                     **{k: gen[k] for k in ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k",
                                            "top_p")}, **engine), bars, pool=pool)
             run_step("components.dit.run:run", dict(

@@ -355,10 +355,10 @@ def _emulated_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, bias=
 @pytest.mark.parametrize("combine", ["compiled", "bmm"])
 def test_fused_path_plumbing_on_cpu(monkeypatch, tiny_fp8, combine):
     """The fused path's permutation, FP8 gathers and combine, run on the CPU with an emulated grouped
-    kernel (the real one is CUDA-only) and the quantize functions uncompiled; the dense fused path
+    kernel (the real one is CUDA-only) and the quantize functions uncompiled (kernels.compiled runs
+    them eagerly on the CPU); the dense fused path
     runs the real `torch._scaled_mm` where the CPU build has it. Both must equal the reference."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_scaled_grouped_mm, raising=False)
-    monkeypatch.setattr(quant, "_compiled", lambda fn: fn)
     moe = copy.deepcopy(tiny_fp8.model.layers[1].mlp).to(torch.bfloat16)
     moe.gate.float()  # the router stays fp32, as in the engine
     g = torch.Generator().manual_seed(8)

@@ -1,4 +1,6 @@
-"""MoE: routing (softmax, top-k, renormalised), grouped GEMM vs per-expert loop, no dropped tokens."""
+"""MoE: routing (softmax, top-k, renormalised), grouped GEMM and fused dispatch vs per-expert loop, no
+dropped tokens. The fused path's compiled pieces run eagerly on the CPU (the same formulas); the GPU
+comparison is benchmarks/moe_kernels.py."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from components.engine import kernels
 from components.engine.config import tiny_config
+from components.engine.kernels.moe import choose_impl, combine_sorted, inverse_order, moe_fused, sort_by_expert
 from components.engine.transformer import MoE, moe_grouped, moe_loop
 
 H, I, E, K = 16, 8, 6, 2
@@ -48,7 +52,7 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("impl", [moe_loop, moe_grouped])
+@pytest.mark.parametrize("impl", [moe_loop, moe_grouped, moe_fused])
 def test_moe_paths_match_per_token_reference(impl):
     n = 37
     g = torch.Generator().manual_seed(2)
@@ -105,7 +109,7 @@ def test_routing_softmax_topk_renormalised(moe):
         assert len(set(experts[t].tolist())) == K
 
 
-@pytest.mark.parametrize("impl", ["loop", "grouped"])
+@pytest.mark.parametrize("impl", ["loop", "grouped", "fused"])
 def test_moe_forward_equals_dense_reference(moe, impl):
     """Dense reference: run every expert on every token, combine with the renormalised top-k weights
     (zero for the rest), plus the shared SwiGLU MLP."""
@@ -140,3 +144,61 @@ def test_moe_impl_auto_uses_loop_on_cpu(moe, monkeypatch):
     monkeypatch.setattr(tr, "moe_loop", lambda *a: calls.append("loop") or real(*a))
     moe(torch.randn(2, 3, H))
     assert calls == ["loop"]
+
+
+# --------------------------------------------------------------------------- fused dispatch pieces
+def test_sort_by_expert_matches_bincount_offsets():
+    experts, _ = _uneven_routing(41, seed=9)
+    order, token, offs = sort_by_expert(experts, E)
+    flat = experts.reshape(-1)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(token, order // K)
+    assert offs.dtype == torch.int32
+    assert torch.equal(offs, torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32))
+    assert offs[4] == offs[3] and offs[5] - offs[4] == 1  # an empty group and a one-row group
+    inv = inverse_order(order)
+    assert torch.equal(order[inv], torch.arange(flat.numel()))
+
+
+def test_combine_sorted_pairs_each_slot_with_its_weight():
+    n, h = 9, 5
+    g = torch.Generator().manual_seed(10)
+    experts, weights = _uneven_routing(n, seed=11)
+    per_slot = torch.randn(n, K, h, generator=g)  # (token, slot) order
+    order, _, _ = sort_by_expert(experts, E)
+    y = per_slot.reshape(n * K, h)[order]  # expert order, as the grouped GEMM writes it
+    out = combine_sorted(y, inverse_order(order), weights)
+    ref = (weights.unsqueeze(-1) * per_slot).sum(1)
+    assert torch.allclose(out, ref, atol=1e-6)
+    swapped = combine_sorted(y, inverse_order(order), weights.flip(1))  # negative control
+    assert not torch.allclose(swapped, ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_moe_fused_matches_grouped(dtype, tol):
+    """Same GEMMs; the fused path rounds SwiGLU once and keeps the combine weights fp32."""
+    n = 64
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(n, H, generator=g).to(dtype)
+    experts, weights = _uneven_routing(n, seed=13)
+    wgu, wd = (w.to(dtype) for w in _weights(14))
+    a = moe_fused(x, weights, experts, wgu, wd)
+    b = moe_grouped(x, weights, experts, wgu, wd)
+    assert a.dtype == dtype
+    assert _rel(a.float(), b.float()) <= tol
+
+
+def test_kernel_setting_selects_the_moe_path(moe, monkeypatch):
+    import components.engine.transformer as tr
+
+    x = torch.randn(2, 3, H)
+    assert choose_impl(x) == "loop"  # auto on the CPU
+    calls = []
+    monkeypatch.setattr(tr, "moe_fused", lambda *a: calls.append("fused") or moe_fused(*a))
+    previous = kernels.configure(moe="fused")
+    try:
+        assert choose_impl(x) == "fused"
+        moe(x)
+    finally:
+        kernels.configure(previous)
+    assert calls == ["fused"]

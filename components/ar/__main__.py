@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=optional_int, default=None, help="0 = off (default: generation config)")
     p.add_argument("--top-p", type=optional_float, default=None, help="(0, 1] (default: generation config)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (temperature 0)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="each row computed alone: its CoT and K/V are bitwise independent of its batch and shard "
+                        "(slower decode; a run keeps the setting it started with)")
     args = p.parse_args(argv)
 
     def body() -> int:
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = dict(output=args.output, run_id=args.run_id, shard=args.shard, batch_size=args.batch_size,
                       bot_task=args.bot_task, system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
-                      **engine_kwargs(args))
+                      batch_invariant=args.batch_invariant, **engine_kwargs(args))
         with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
             result = run_step("components.ar.run:run", kwargs, progress)
         print(json.dumps(result))

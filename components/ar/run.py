@@ -36,10 +36,12 @@ from components.steps import (
 
 
 def ar_settings(model: str, weights: str | None, dummy_weights: bool, dtype: str | None, quantization: str | None,
-                seed: int, generation: dict[str, Any]) -> dict[str, Any]:
-    """What the AR step computes with (a run remembers it; device and TP size are not part)."""
+                seed: int, generation: dict[str, Any], batch_invariant: bool = False) -> dict[str, Any]:
+    """What the AR step computes with (a run remembers it; device and TP size are not part).
+    batch_invariant: every row computed as its own batch (bitwise independent of batch and shard)."""
     return {"model": model, "weights": weights, "dummy_weights": dummy_weights, "dtype": dtype,
-            "quantization": quantization, "seed": seed, **{k: generation[k] for k in AR_SETTINGS}}
+            "quantization": quantization, "seed": seed, **{k: generation[k] for k in AR_SETTINGS},
+            "batch_invariant": batch_invariant}
 
 
 def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: str | None = None,
@@ -47,13 +49,15 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kv_store: str | None = None, batch_size: int = 8, bot_task: str | None = None,
         system_prompt: str | None = None, max_new_tokens: int | None = None, temperature: float | None = None,
         top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int = 0,
-        device: str = "cpu", dtype: str | None = None, export_kv: bool = True, progress: Any = None,
-        parallel: Any = None) -> dict[str, Any]:
+        device: str = "cpu", dtype: str | None = None, export_kv: bool = True, batch_invariant: bool = False,
+        progress: Any = None, parallel: Any = None) -> dict[str, Any]:
     """Run the AR step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
-    tensor-parallel launcher (components.ranks), None in one process."""
-    from components.engine import ARRequest, SamplingParams
+    tensor-parallel launcher (components.ranks), None in one process. `batch_invariant`: each row
+    runs as its own batch, so its CoT and K/V do not depend on the other rows of its batch or shard
+    (the kernel setting batch_invariant=on, for this step only)."""
+    from components.engine import ARRequest, SamplingParams, kernels
 
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          seed=seed, batch_size=batch_size, device=device)
@@ -62,7 +66,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
     layout = RunLayout.open(output, run_id)
     if owner:
-        layout.remember_settings("ar", ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen))
+        layout.remember_settings("ar", ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen,
+                                                   batch_invariant))
     progress = progress or (LogProgress() if parallel is not None and owner else NoProgress())
     pending, skipped = [], None
     if layout.is_committed(shard):
@@ -84,6 +89,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     rows: list[dict[str, Any]] = []
     puts = _BackgroundPuts(store, engine)
     puts.expire_orphans()
+    previous_kernels = kernels.configure(batch_invariant="on" if batch_invariant else "off")
     try:
         for start in range(0, len(pending), batch_size):
             batch = pending[start:start + batch_size]
@@ -98,7 +104,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                 if isinstance(result, Exception):
                     rows.append(_error_row(request.id, f"AR failed: {type(result).__name__}: {result}"))
                     continue
-                row = _ok_row(result, len(requests))
+                row = _ok_row(result)
                 rows.append(row)
                 if store is not None and result.prompt_kv is not None:
                     puts.add(row, run_id, shard, result.prompt_kv)
@@ -112,11 +118,12 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         puts.abandon()  # on the way out: payloads nobody will read are deleted now
         raise
     finally:
+        kernels.configure(previous_kernels)
         if store is not None:
             store.close()
     progress.finish(task)
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
-            "kv_put_wait_s": round(puts.waited_s, 4)}
+            "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant}
 
 
 class _BackgroundPuts:
@@ -225,8 +232,9 @@ def _generate(engine, requests, sampling, export_kv: bool = True) -> list:
         return results
 
 
-def _ok_row(out, batch_size: int) -> dict[str, Any]:
+def _ok_row(out) -> dict[str, Any]:
     t = out.timings
+    batch_size = t["ar_batch_size"]  # the batch it ran in (1 when batch invariant or retried alone)
     return {"id": out.id, "status": "ok", "error": None, "ar_record": json.dumps(out.to_record()),
             "kv_key": None, "kv_bytes": None, "kv_put_s": None, "kv_error": None,
             # batch times are shared: each row carries its share

@@ -18,7 +18,12 @@ are forced.
 
 The kept CoT is the official `cot_text`: the trigger tag + the generated tokens through the first
 end token, decoded to text; the DiT re-encodes it through the template. Rows of different lengths
-are left-padded; padding keys are masked, so a row's tokens do not depend on its batch.
+are left-padded; padding keys are masked, so a row's tokens do not depend on its batch except
+through rounding: the GEMMs and attention run over other shapes (more rows, padded lengths, other
+per-expert token counts), so K/V and logits differ in the last bits and a CoT can drift. With the
+kernel setting `batch_invariant=on` (`--batch-invariant`) every row runs as its own batch of one, so
+its tokens and K/V are bitwise independent of its batch and shard (cost: decode steps are no longer
+shared; see benchmarks/moe_kernels.py).
 
 Where `decode_graphs` selects it (auto: CUDA bf16, world size 1), the decode runs the static-shape
 step of kernels/decode.py, replayed as CUDA graphs, and picks every row's token on the device. Sampled
@@ -36,6 +41,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from PIL import Image
 
+from . import kernels
 from .generation_config import GenerationConfig, tiny_generation_config
 from .inputs import EncodedImage, embed_span, encode_cond_images, request_generator
 from .kernels.decode import DeviceSampler, StaticDecoder, batch_bucket, decode_mode
@@ -187,6 +193,9 @@ class ARGenerator:
     @torch.no_grad()
     def __call__(self, requests: list[ARRequest], sampling: SamplingParams | None = None,
                  export_kv: bool = True) -> list[AROutput]:
+        if len(requests) > 1 and kernels.settings().batch_invariant == "on":
+            # each row alone: no other row's length, padding or expert loads reach its numbers
+            return [out for r in requests for out in self([r], sampling, export_kv)]
         sampling = (sampling or SamplingParams()).resolved(self.generation_config)
         with self.model.autocast():  # the official AR runs under CUDA autocast in the model dtype
             rows = [self._prepare(r) for r in requests]

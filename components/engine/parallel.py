@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, MoE, _combine, _grouped_mm_available
+from .kernels.moe import choose_impl
+from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, MoE, _combine
 from .weights import LoadSlices
 
 
@@ -179,9 +180,7 @@ class ParallelMoE(nn.Module):
             rows = flat[slots // k]
             which = (experts.reshape(-1)[slots] - self.first_expert).unsqueeze(1)
             ones = torch.ones_like(which, dtype=weights.dtype)
-            impl = self.impl
-            if impl == "auto":
-                impl = "grouped" if _grouped_mm_available(rows) else "loop"
+            impl = choose_impl(rows) if self.impl == "auto" else self.impl
             per_slot[slots] = self.experts(rows, ones, which, impl)
         out = _combine(per_slot.view(flat.shape[0], self.top_k, -1), weights).view(shape)
         if self.shared_mlp is not None:

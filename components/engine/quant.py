@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import HunyuanImage3Config
+from .kernels.compiled import call_compiled, compile_failures  # noqa: F401 - benchmarks read it here
+from .kernels.moe import combine_sorted, inverse_order, sort_by_expert
 from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, _combine
 from .weights import CheckpointError, LoadSlices, _expert_spec, _read, checkpoint_files
 
@@ -86,35 +87,6 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 
 # -- fused CUDA path ------------------------------------------------------------------------------
-_compiled_fns: dict = {}
-compile_failures: dict[str, str] = {}  # function name -> error; those run eagerly (same numbers, slower)
-
-
-def _compiled(fn):
-    """torch.compile'd fn, built on first use (never on CPU-only runs): one fused kernel per call."""
-    if fn not in _compiled_fns:
-        _compiled_fns[fn] = torch.compile(fn, fullgraph=True)
-    return _compiled_fns[fn]
-
-
-def _call_compiled(fn, *args):
-    """fn(*args) through its compiled version; if compiling fails, warn once and stay eager."""
-    if fn.__name__ in compile_failures:
-        return fn(*args)
-    try:
-        return _compiled(fn)(*args)
-    except Exception as e:  # noqa: BLE001 - any compiler failure: the eager function computes the same
-        compile_failures[fn.__name__] = f"{type(e).__name__}: {e}"[:500]
-        warnings.warn(f"FP8: torch.compile of {fn.__name__} failed, running it eagerly: {e}", stacklevel=2)
-        return fn(*args)
-
-
-def _run_compiled(fn, x: torch.Tensor):
-    # the token count changes with every batch: one graph for all of them (sizes 0/1 specialise)
-    torch._dynamo.maybe_mark_dynamic(x, 0)
-    return _call_compiled(fn, x)
-
-
 def _cuda_bf16(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16
 
@@ -135,7 +107,7 @@ def grouped_fused_supported(x: torch.Tensor, hidden: int, intermediate: int) -> 
 def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None = None, use_fast_accum: bool = False) -> torch.Tensor:
     """x [M, K] bf16 (CUDA) -> [M, N] bf16 via `torch._scaled_mm` with rowwise scales."""
-    qx, sx = _run_compiled(quantize_rowwise, x)
+    qx, sx = call_compiled(quantize_rowwise, x)
     y = torch._scaled_mm(qx, weight.t(), scale_a=sx.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
                          out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
     return y if bias is None else y + bias
@@ -146,51 +118,23 @@ def _gather_rows(q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8)[index].view(q.dtype)
 
 
-def _combine_sorted(y: torch.Tensor, slot_of_sorted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[n, j] * y[row of (n, j)] for expert outputs y [N*k, H] in expert order.
-
-    `slot_of_sorted` [N*k] is the sorted position of each (token, slot) pair. Compiled, this is one
-    kernel that reads y once (no scatter back to token order first); fixed summation order, so it
-    is deterministic (no atomics)."""
-    n, k = weights.shape
-    picked = y[slot_of_sorted].view(n, k, y.shape[-1]).float()
-    return (picked * weights.unsqueeze(-1).float()).sum(1).to(y.dtype)
-
-
-def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, token, offs): (token, slot) pairs sorted by expert (stable), their token index, and
-    the int32 end offset of each expert's rows (the grouped GEMM's `offs`)."""
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, order // experts.shape[1], torch.cumsum(counts, 0).to(torch.int32)
-
-
 def fp8_moe_fused(x, weights, experts, w1, s1, w2, s2, use_fast_accum: bool = False,
                   combine: str = "compiled") -> torch.Tensor:
     """Routed experts, W8A8: quantize tokens once, gather FP8 rows in expert order, two rowwise
     scaled grouped GEMMs with SwiGLU + re-quantization fused in between, weighted combine."""
     order, token, offs = sort_by_expert(experts, w1.shape[0])
-    qx, sx = _run_compiled(quantize_rowwise, x)
+    qx, sx = call_compiled(quantize_rowwise, x)
     xs, ss = _gather_rows(qx, token), sx[token]
     h = torch._scaled_grouped_mm(xs, w1.transpose(1, 2), ss, s1, offs=offs, out_dtype=torch.bfloat16,
                                  use_fast_accum=use_fast_accum)
-    qh, sh = _run_compiled(swiglu_quantize_rowwise, h)
+    qh, sh = call_compiled(swiglu_quantize_rowwise, h)
     y = torch._scaled_grouped_mm(qh, w2.transpose(1, 2), sh, s2, offs=offs, out_dtype=torch.bfloat16,
                                  use_fast_accum=use_fast_accum)
     if combine == "bmm":  # the bf16 path's combine: scatter back to (token, slot) order, batched matmul
         per_slot = torch.empty_like(y)
         per_slot[order] = y
         return _combine(per_slot.view(*experts.shape, -1), weights)
-    slot_of_sorted = torch.empty_like(order)
-    slot_of_sorted[order] = torch.arange(order.numel(), device=order.device)
-    return _run_compiled_combine(y, slot_of_sorted, weights)
-
-
-def _run_compiled_combine(y, slot_of_sorted, weights):
-    for t in (y, slot_of_sorted, weights):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    return _call_compiled(_combine_sorted, y, slot_of_sorted, weights)
+    return call_compiled(combine_sorted, y, inverse_order(order), weights, dynamic=3)
 
 
 def fp8_moe_reference(x, weights, experts, w1, s1, w2, s2) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import HunyuanImage3Config
+from .kernels.moe import choose_impl, moe_fused, sort_by_expert, start_on_side_stream
 
 
 # -- building blocks ------------------------------------------------------------------------------
@@ -197,14 +198,11 @@ class Experts(nn.Module):
         nn.init.normal_(self.down_proj, std=0.02)
 
     def forward(self, x, weights, experts, impl: str) -> torch.Tensor:
-        """Routed output for tokens x [N, H] sent to `experts` [N, k] with `weights` [N, k].
-        Quantized experts (quant.Fp8Experts) replace this module with the same call."""
-        return (moe_grouped if impl == "grouped" else moe_loop)(x, weights, experts, self.gate_and_up_proj,
-                                                                self.down_proj)
-
-
-def _grouped_mm_available(x: torch.Tensor) -> bool:
-    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+        """Routed output for tokens x [N, H] sent to `experts` [N, k] with `weights` [N, k];
+        impl: loop | grouped | fused (kernels/moe.py). Quantized experts (quant.Fp8Experts)
+        replace this module with the same call."""
+        run = {"loop": moe_loop, "grouped": moe_grouped, "fused": moe_fused}[impl]
+        return run(x, weights, experts, self.gate_and_up_proj, self.down_proj)
 
 
 class MoE(nn.Module):
@@ -214,7 +212,8 @@ class MoE(nn.Module):
     rule: an expert takes at most max(k, k*N/E) * capacity_factor tokens, top-1 choices first).
     """
 
-    # "auto": grouped GEMM where supported (CUDA bf16), else the per-expert loop
+    # "auto": the `moe` kernel setting decides (kernels.moe.choose_impl: fused for CUDA bf16, else
+    # the per-expert loop); "loop" | "grouped" | "fused" force one path
     impl: str = "auto"
 
     def __init__(self, cfg: HunyuanImage3Config, layer: int = 0) -> None:
@@ -242,12 +241,15 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        impl = choose_impl(flat) if self.impl == "auto" else self.impl
+        shared = None
+        if self.shared_mlp is not None and impl == "fused":  # on a side stream, beside the routed experts
+            shared = start_on_side_stream(self.shared_mlp, x)
         weights, experts = self.route(flat)
-        impl = self.impl
-        if impl == "auto":
-            impl = "grouped" if _grouped_mm_available(flat) else "loop"
         routed = self.experts(flat, weights, experts, impl).view(shape)
-        return routed if self.shared_mlp is None else self.shared_mlp(x) + routed
+        if self.shared_mlp is None:
+            return routed
+        return (shared() if shared is not None else self.shared_mlp(x)) + routed
 
 
 def _within_capacity(experts: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
@@ -287,14 +289,7 @@ def _combine(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def moe_grouped(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
     """Grouped-GEMM path (`torch._grouped_mm`): tokens sorted by expert, one launch per GEMM."""
-    k = experts.shape[1]
-    flat_experts = experts.reshape(-1)  # (token, slot) order
-    order = torch.argsort(flat_experts, stable=True)
-    token = order // k
-    # offs[e] = tokens routed to experts <= e; searchsorted, not bincount, whose CUDA kernel reads
-    # the max back to the host and so cannot be captured in a CUDA graph (kernels/decode.py)
-    experts_up_to = torch.arange(w_gate_up.shape[0], device=x.device, dtype=flat_experts.dtype)
-    offs = torch.searchsorted(flat_experts[order], experts_up_to, right=True).to(torch.int32)
+    order, token, offs = sort_by_expert(experts, w_gate_up.shape[0])
     xs = x[token]
     h = _swiglu(torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs))
     y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)

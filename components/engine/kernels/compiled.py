@@ -1,0 +1,38 @@
+"""Small element-wise / gather-reduce functions run through `torch.compile`, one fused kernel each.
+
+Shared by the fused MoE dispatch (kernels/moe.py) and the FP8 path (quant.py). A function is
+compiled on first use with CUDA inputs; elsewhere (CPU, or inside an outer torch.compile region)
+it runs eagerly, computing the same formula. If compiling fails, the failure is recorded in
+`compile_failures`, warned about once, and the function runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+_compiled_fns: dict[Callable, Callable] = {}
+compile_failures: dict[str, str] = {}  # function name -> error; those run eagerly (same numbers, slower)
+
+
+def _compiled(fn: Callable) -> Callable:
+    if fn not in _compiled_fns:
+        _compiled_fns[fn] = torch.compile(fn, fullgraph=True)
+    return _compiled_fns[fn]
+
+
+def call_compiled(fn: Callable, *args: torch.Tensor, dynamic: int = 1):
+    """fn(*args) through its compiled version. The first `dynamic` arguments have a token count as
+    dim 0 that changes with every batch: one graph serves them all (sizes 0 and 1 specialise)."""
+    if fn.__name__ in compile_failures or torch.compiler.is_compiling() or not args[0].is_cuda:
+        return fn(*args)
+    for t in args[:dynamic]:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    try:
+        return _compiled(fn)(*args)
+    except Exception as e:  # noqa: BLE001 - any compiler failure: the eager function computes the same
+        compile_failures[fn.__name__] = f"{type(e).__name__}: {e}"[:500]
+        warnings.warn(f"torch.compile of {fn.__name__} failed, running it eagerly: {e}", stacklevel=2)
+        return fn(*args)

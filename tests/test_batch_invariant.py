@@ -1,0 +1,119 @@
+"""`--batch-invariant` (kernel setting batch_invariant=on): a row's AR output (CoT tokens, exported
+K/V) is bitwise the same whatever rows share its batch; the AR step records the setting, and a run
+resumed with the other setting is refused. Tiny model, CPU, float32 and bfloat16.
+
+Negative control: without the setting the same row's K/V differs in the last bits between two
+batches on this CPU, in both dtypes (padding to the longest row changes the attention and GEMM
+shapes), so the equality with the setting on is the mode's doing. The CoT tokens of this short
+tiny-model run happen to agree either way; only the K/V shows the difference here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.engine import ARRequest, Engine, SamplingParams, kernels
+
+from .test_engine_helpers import random_image
+
+SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=12)
+
+
+def _batches() -> tuple[list[ARRequest], list[ARRequest]]:
+    """The same target row among other neighbours, at another index, with other padded lengths."""
+    target = ARRequest("target", "a red fox in the snow, photographed at dawn", [], bot_task="think_recaption", seed=5)
+    a = [target, ARRequest("n1", "a cat", [], bot_task="think_recaption", seed=1),
+         ARRequest("n2", "a watercolor painting of a golden horse near a river at sunset, with soft light and "
+                   "long shadows over the hills", [], bot_task="think_recaption", seed=2)]
+    b = [ARRequest("m1", "make the sky purple", [random_image(160, 96, seed=1)], bot_task="think_recaption",
+                   seed=3), target]
+    return a, b
+
+
+def _target_in_both(engine: Engine, mode: str):
+    previous = kernels.configure(batch_invariant=mode)
+    try:
+        a, b = _batches()
+        out_a, out_b = engine.generate_ar(a, SAMPLED)[0], engine.generate_ar(b, SAMPLED)[1]
+    finally:
+        kernels.configure(previous)
+    assert out_a.id == out_b.id == "target"
+    return out_a, out_b
+
+
+def _kv_tensors(out) -> list[torch.Tensor]:
+    return out.prompt_kv.keys + out.prompt_kv.values
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engine(request):
+    return Engine.load("tiny", seed=0, dtype=request.param)
+
+
+def test_row_is_bitwise_independent_of_its_batch(engine):
+    out_a, out_b = _target_in_both(engine, "on")
+    assert out_a.prompt_ids == out_b.prompt_ids
+    assert out_a.generated_ids == out_b.generated_ids and out_a.cot_text == out_b.cot_text
+    assert out_a.ratio_index == out_b.ratio_index
+    assert out_a.timings["ar_batch_size"] == out_b.timings["ar_batch_size"] == 1
+    ka, kb = _kv_tensors(out_a), _kv_tensors(out_b)
+    assert len(ka) == len(kb) > 0 and ka[0].dtype == engine.model.dtype
+    for x, y in zip(ka, kb):
+        assert torch.equal(x, y)
+    assert ka[0].abs().max() > 0.1  # real data
+
+
+def test_without_the_mode_the_kv_depends_on_the_batch(engine):
+    """Negative control (see the module docstring)."""
+    out_a, out_b = _target_in_both(engine, "off")
+    assert out_a.prompt_ids == out_b.prompt_ids
+    assert out_a.timings["ar_batch_size"] == 3 and out_b.timings["ar_batch_size"] == 2
+    ka, kb = _kv_tensors(out_a), _kv_tensors(out_b)
+    assert all(x.shape == y.shape for x, y in zip(ka, kb))
+    assert not all(torch.equal(x, y) for x, y in zip(ka, kb))
+    # ... and only in the last bits: the rows are the same computation
+    tol = 1e-5 if ka[0].dtype == torch.float32 else 5e-2
+    assert max((x.float() - y.float()).abs().max().item() for x, y in zip(ka, kb)) <= tol
+
+
+# --------------------------------------------------------------------------- the AR step option
+def test_ar_step_records_the_setting_and_refuses_another_on_resume(tmp_path):
+    from components.ar.run import run as run_ar
+    from components.data.runs import RunLayout
+    from components.data.sample import write_sample_edit_dataset
+    from components.errors import ConfigError
+    from components.shard.run import run as run_shard
+
+    dataset = write_sample_edit_dataset(str(tmp_path / "edit.parquet"), n=2, size=64)
+    output = str(tmp_path / "out")
+    run_shard(dataset, output, "bi", 1, "edit")
+    before = kernels.settings()
+    result = run_ar(output, "bi", 0, batch_size=2, max_new_tokens=3, batch_invariant=True, export_kv=False)
+    assert result["batch_invariant"] is True and result["rows"] == 2 and result["errors"] == 0
+    assert kernels.settings() == before  # the step's setting does not leak into the process
+    layout = RunLayout.open(output, "bi")
+    assert layout.read_json(layout.settings_key("ar"))["batch_invariant"] is True
+    with pytest.raises(ConfigError, match=r"batch_invariant True \(now False\)"):
+        run_ar(output, "bi", 0, batch_size=2, max_new_tokens=3, export_kv=False)
+
+
+def test_step_program_and_cli_pass_the_flag(monkeypatch, tmp_path):
+    import components.ar.__main__ as ar_main
+    import pipeline.local as local
+
+    seen = {}
+    monkeypatch.setattr(ar_main, "run_step", lambda target, kwargs, progress: seen.update(kwargs) or {})
+    assert ar_main.main(["--output", str(tmp_path), "--run-id", "r", "--shard", "0", "--batch-invariant"]) == 0
+    assert seen["batch_invariant"] is True
+    seen.clear()
+    assert ar_main.main(["--output", str(tmp_path), "--run-id", "r", "--shard", "0"]) == 0
+    assert seen["batch_invariant"] is False
+
+    from pipeline.cli import main as ardit
+
+    jobs = []
+    monkeypatch.setattr(local, "run_job", lambda *a, **kw: jobs.append(kw) or {"rows_total": 0})
+    ardit(["generate", str(tmp_path / "x.parquet"), "-o", str(tmp_path), "--batch-invariant"])
+    ardit(["generate", str(tmp_path / "x.parquet"), "-o", str(tmp_path)])
+    assert [j["batch_invariant"] for j in jobs] == [True, False]
