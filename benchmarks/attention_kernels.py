@@ -341,8 +341,9 @@ class Bench:
         eng = Engine.load("tiny", device=self.device, dtype="bfloat16" if self.device == "cuda" else "float32")
         cond = Image.fromarray((np.random.RandomState(0).rand(192, 256, 3) * 255).astype("uint8"))
         res, images = {}, {}
-        for spec in ("plain", "auto"):
+        for spec in ("plain", "auto", "auto_flex_causal"):
             kernels.configure("attention=sdpa,compile=off" if spec == "plain" else "attention=auto,compile=auto")
+            flex_kernels.CAUSAL_SDPA = spec != "auto_flex_causal"  # causal-only masks to flex too
             for name, imgs in (("t2i", []), ("it2i", [cond])):
                 t0 = time.perf_counter()
                 ar = eng.generate_ar([ARRequest(name, "make the sky purple", imgs)], SamplingParams(max_new_tokens=16))[0]
@@ -355,9 +356,14 @@ class Bench:
                                                                               np.asarray(again.image))),
                                          "tokens": ar.generated_ids, "s": round(time.perf_counter() - t0, 1)}
         kernels.configure("attention=auto,compile=auto")
+        flex_kernels.CAUSAL_SDPA = True
         for name in ("t2i", "it2i"):
             res[f"auto_vs_plain_{name}_psnr_db"] = psnr(images[("auto", name)], images[("plain", name)])
-            res[f"auto_vs_plain_{name}_same_tokens"] = res[f"auto_{name}"].pop("tokens") == res[f"plain_{name}"].pop("tokens")
+            res[f"auto_vs_plain_{name}_same_tokens"] = (res[f"auto_{name}"]["tokens"]
+                                                        == res[f"plain_{name}"]["tokens"])
+        for key in res:
+            if isinstance(res[key], dict):
+                res[key].pop("tokens", None)
         return res
 
     def run(self) -> None:
@@ -406,7 +412,8 @@ class Bench:
                 print(f"tiny bf16 {name}: reuse vs recompute PSNR plain {t[f'plain_{name}']['reuse_vs_recompute_psnr_db']:.1f}"
                       f" / auto {t[f'auto_{name}']['reuse_vs_recompute_psnr_db']:.1f} dB; auto vs plain "
                       f"{t[f'auto_vs_plain_{name}_psnr_db']:.1f} dB, same tokens {t[f'auto_vs_plain_{name}_same_tokens']}, "
-                      f"rerun bitwise {t[f'auto_{name}']['rerun_bitwise']}")
+                      f"rerun bitwise {t[f'auto_{name}']['rerun_bitwise']}; causal masks to flex too: reuse vs "
+                      f"recompute {t[f'auto_flex_causal_{name}']['reuse_vs_recompute_psnr_db']:.1f} dB")
 
 
 def main() -> None:

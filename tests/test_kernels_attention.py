@@ -160,6 +160,7 @@ def test_causal_rule_takes_causal_sdpa(attention_setting, monkeypatch):
     assert causal().is_causal()
     assert not any(MASKS[kind]().is_causal() for kind in MASKS if kind != "causal")
     made = []
+    real_block_mask = flex_kernels.block_mask
     monkeypatch.setattr(flex_kernels, "block_mask", lambda *a, **kw: made.append(1))
     attention_setting("flex")
     mask = causal()
@@ -167,6 +168,10 @@ def test_causal_rule_takes_causal_sdpa(attention_setting, monkeypatch):
     out = attend(q, k, v, mask)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), enable_gqa=True)
     assert (out - ref).abs().max().item() <= TOL and not made
+    monkeypatch.setattr(flex_kernels, "CAUSAL_SDPA", False)  # causal masks to flex as well
+    mask = causal()
+    monkeypatch.setattr(flex_kernels, "block_mask", real_block_mask)
+    assert (attend(q, k, v, mask) - ref).abs().max().item() <= TOL and "block" in mask._made
 
 
 def test_head_mask_step_equals_flex_full_mask(attention_setting):

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
+from . import kernels
 from .ar import AROutput, request_seed
 from .inputs import EncodedImage, embed_span, encode_cond_images, request_generator, skip_cond_draws
 from .kvcache import PromptKV
 from .sequence import Sequence, SequenceBuilder, first_difference
-from . import kernels
 from .transformer import HeadMask, HunyuanImage3ForCausalMM, KVCache, SlotMask, attention_mask
 
 

@@ -134,7 +134,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
         return torch.cat([head, tail], dim=2)
     if isinstance(mask, SlotMask):
         if kernels.enabled("attention", q, "flex"):
-            if mask.is_causal():
+            if flex_kernels.CAUSAL_SDPA and mask.is_causal():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             return flex_kernels.flex_attend(q, k, v, mask.block_mask())
         mask = mask.dense()

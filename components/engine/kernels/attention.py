@@ -25,6 +25,11 @@ BLOCK_SIZE = 128
 # Triton options for the compiled kernel (BLOCK_M, BLOCK_N, num_warps, num_stages, ...); None lets
 # flex attention choose. benchmarks/attention_kernels.py compares choices.
 KERNEL_OPTIONS: dict | None = None
+# A SlotMask whose rule is plain causal (no image block, no padding, T == S: a T2I prefix) takes
+# causal SDPA (flash) instead of flex. On the tiny model in bf16 this made T2I reuse vs recompute
+# 39.8 dB instead of bitwise (the reuse path's tail prefill, T < S, still runs flex): see
+# docs/benchmarks.md; set False to send every SlotMask to flex.
+CAUSAL_SDPA = True
 # Copy q, k, v to contiguous [B, H, T, D] before the compiled kernel (the layer's are transposed
 # views of [B, T, H, D], the cache's K/V slices of a longer buffer); one layout also means one graph.
 CONTIGUOUS = True
