@@ -49,7 +49,7 @@ from .kvcache import PromptKV
 from .sequence import CondImage, Sequence, SequenceBuilder, first_difference, parse_image_size
 from .system_prompts import TINY_SYSTEM_PROMPTS, resolve_system_prompt
 from .tokenizer import Tokenizer
-from .transformer import HunyuanImage3ForCausalMM, attention_mask
+from .transformer import HunyuanImage3ForCausalMM, SlotMask, attention_mask
 
 IMAGE_TASKS = ("image", "recaption", "think", "think_recaption")
 
@@ -289,7 +289,7 @@ class ARGenerator:
             blocks[b, row.offset:] = row.seq.block_ids()
             valid[b, row.offset:length] = True
         slots = torch.arange(length).expand(batch, length)
-        mask = attention_mask(slots, slots, blocks, blocks, valid[:, :length]).to(model.device)
+        mask = SlotMask(slots, slots, blocks, blocks, valid[:, :length]).to(model.device)
         cache = model.new_cache(batch, valid.shape[1], cache_rows)
         hidden = model.forward_layers(x, positions.to(model.device), mask, cache)
         cache.commit()

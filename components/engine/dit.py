@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
+from . import kernels
 from .ar import AROutput, request_seed
 from .inputs import EncodedImage, embed_span, encode_cond_images, request_generator, skip_cond_draws
 from .kvcache import PromptKV
 from .sequence import Sequence, SequenceBuilder, first_difference
 from .step_cache import FirstBlockCache
-from .transformer import HeadMask, HunyuanImage3ForCausalMM, KVCache, attention_mask
+from .transformer import HeadMask, HunyuanImage3ForCausalMM, KVCache, SlotMask, attention_mask
 
 
 @dataclass
@@ -260,7 +261,7 @@ class DiTGenerator:
         blocks = seq.block_ids()
         q = torch.arange(start, end).expand(len(rows), -1)
         k = torch.arange(end).expand(len(rows), -1)
-        mask = attention_mask(q, k, blocks[start:end].expand(len(rows), -1), blocks[:end].expand(len(rows), -1))
+        mask = SlotMask(q, k, blocks[start:end].expand(len(rows), -1), blocks[:end].expand(len(rows), -1))
         model.forward_layers(x, positions.to(model.device), mask.to(model.device), cache)
         cache.commit()
 
@@ -324,8 +325,9 @@ class DiTGenerator:
         tokens.append(model.image_tokens(latents, t)[0])
         x = torch.cat(tokens).unsqueeze(0)
         x = x.expand(batch, -1, -1)
-        hidden = (step_cache.forward(model, x, positions, mask, cache) if step_cache is not None
-                  else model.forward_layers(x, positions, mask, cache))
+        compiled = kernels.enabled("compile", x, "on")
+        hidden = (step_cache.forward(model, x, positions, mask, cache, compiled=compiled) if step_cache is not None
+                  else model.forward_layers(x, positions, mask, cache, compiled=compiled))
         out = model.image_output(hidden[:, len(tokens) - 1:], t.expand(batch), gen.h, gen.w).float()
         if batch == 1 and self._cfg_split(guidance > 1.0 and not model.config.cfg_distilled):
             out = model.parallel.gather_cfg(out)  # CFG parallel: the other group computed the other row

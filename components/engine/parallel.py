@@ -77,6 +77,7 @@ class ParallelContext:
         dist.all_gather(parts, row.contiguous(), group=self.cfg_group)
         return torch.cat(parts)
 
+    @torch.compiler.disable  # eager inside a compiled layer, so a failure still raises RankLost
     @_collective
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -172,9 +173,18 @@ class ParallelMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = self.route(flat)
+        per_slot = self._local_experts(flat, weights, experts)
+        out = _combine(per_slot.view(flat.shape[0], self.top_k, -1), weights).view(shape)
+        if self.shared_mlp is not None:
+            out = out + self.shared_mlp(x)
+        return self.ctx.all_reduce_(out)
+
+    @torch.compiler.disable  # this rank's token count is data-dependent: eager inside a compiled layer
+    def _local_experts(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """[N * k, H]: this rank's experts' outputs at their (token, slot) places, zeros elsewhere."""
         local = (experts >= self.first_expert) & (experts < self.first_expert + self.experts.down_proj.shape[0])
         slots = local.reshape(-1).nonzero().squeeze(1)  # (token, slot) pairs this rank computes
-        per_slot = torch.zeros(flat.shape[0] * self.top_k, shape[-1], dtype=flat.dtype, device=flat.device)
+        per_slot = torch.zeros(flat.shape[0] * self.top_k, flat.shape[-1], dtype=flat.dtype, device=flat.device)
         if slots.numel():
             k = self.top_k
             rows = flat[slots // k]
@@ -182,10 +192,7 @@ class ParallelMoE(nn.Module):
             ones = torch.ones_like(which, dtype=weights.dtype)
             impl = choose_impl(rows) if self.impl == "auto" else self.impl
             per_slot[slots] = self.experts(rows, ones, which, impl)
-        out = _combine(per_slot.view(flat.shape[0], self.top_k, -1), weights).view(shape)
-        if self.shared_mlp is not None:
-            out = out + self.shared_mlp(x)
-        return self.ctx.all_reduce_(out)
+        return per_slot
 
 
 class ReducedMLP(MLP):

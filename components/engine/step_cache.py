@@ -32,17 +32,18 @@ class FirstBlockCache:
     steps: int = 0
     skipped: int = 0
 
-    def forward(self, model, x: torch.Tensor, positions: torch.Tensor, mask, cache) -> torch.Tensor:
+    def forward(self, model, x: torch.Tensor, positions: torch.Tensor, mask, cache,
+                compiled: bool = False) -> torch.Tensor:
         """model.forward_layers over x, skipping layers 1.. when the first layer's residual moved
         less than the threshold since the last full step."""
         n = model.config.num_hidden_layers
-        first = model.forward_layers(x, positions, mask, cache, layers=range(0, 1))
+        first = model.forward_layers(x, positions, mask, cache, compiled=compiled, layers=range(0, 1))
         residual = first - x
         self.steps += 1
         if self.steps > self.warmup and self.reference is not None and self._change(residual) < self.threshold:
             self.skipped += 1
             return first + self.deep_residual
-        hidden = model.forward_layers(first, positions, mask, cache, layers=range(1, n))
+        hidden = model.forward_layers(first, positions, mask, cache, compiled=compiled, layers=range(1, n))
         self.reference, self.deep_residual = residual, hidden - first
         return hidden
 

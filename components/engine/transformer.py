@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import HunyuanImage3Config
+from .kernels import attention as flex_kernels
 from .kernels.moe import choose_impl, moe_fused, sort_by_expert, start_on_side_stream
 
 
@@ -128,12 +130,22 @@ class HeadMask:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """Attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D] (GQA) under `mask`: None, a bool
+    [B, 1, T, S], a HeadMask or a SlotMask. A SlotMask goes to flex attention with its block mask
+    when the `attention` kernel setting selects flex (causal SDPA where the rule is plain causal),
+    else to SDPA with its dense bool mask, exactly as a bool mask would."""
     if isinstance(mask, HeadMask):
         head = F.scaled_dot_product_attention(q[:, :, :mask.rows], k, v, attn_mask=mask.mask, enable_gqa=True)
         tail = F.scaled_dot_product_attention(q[:, :, mask.rows:], k, v, enable_gqa=True)
         return torch.cat([head, tail], dim=2)
     if hasattr(mask, "attend"):  # a kernel's own mask type computes the attention (kernels/decode.py)
         return mask.attend(q, k, v)
+    if isinstance(mask, SlotMask):
+        if kernels.enabled("attention", q, "flex"):
+            if flex_kernels.CAUSAL_SDPA and mask.is_causal():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return flex_kernels.flex_attend(q, k, v, mask.block_mask())
+        mask = mask.dense()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -153,6 +165,13 @@ class Attention(nn.Module):
         self.key_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        return self.output(attend(q, k, v, mask))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, H] -> q [B, Hq, T, D], k and v [B, Hkv, T, D] (RoPE and QK-norm applied)."""
         b, t, _ = x.shape
         # Official fused layout: per KV head, [groups query heads, 1 key, 1 value].
         qkv = self.qkv_proj(x).view(b, t, self.num_kv_heads, self.groups + 2, self.head_dim)
@@ -162,9 +181,10 @@ class Attention(nn.Module):
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = self.query_layernorm(apply_rope(q, cos, sin)).to(v.dtype)
         k = self.key_layernorm(apply_rope(k, cos, sin)).to(v.dtype)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)
-        out = attend(q, k, v, mask)
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -268,6 +288,7 @@ def _swiglu(h: torch.Tensor) -> torch.Tensor:
     return a * F.silu(b)
 
 
+@torch.compiler.disable  # per-expert token counts are data-dependent: a compiled layer runs this eagerly
 def moe_loop(x, weights, experts, w_gate_up, w_down) -> torch.Tensor:
     """Reference path: one GEMM pair per expert over the tokens routed to it."""
     n, k = experts.shape
@@ -309,7 +330,18 @@ class DecoderLayer(nn.Module):
                                                                        cfg.mlp_bias)
 
     def forward(self, x, cos, sin, mask, cache, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        q, k, v = self.attention_inputs(x, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        return self.finish(x, attend(q, k, v, mask))
+
+    # The layer around its attention call, in two parts that depend only on x's shape (not on the
+    # cache length or the layer index): what `kernels.compiled_layers` compiles, once for all layers.
+    def attention_inputs(self, x, cos, sin):
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def finish(self, x, attention_out):
+        x = x + self.self_attn.output(attention_out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -479,12 +511,22 @@ class HunyuanImage3ForCausalMM(nn.Module):
     def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.ln_f(hidden)).float()
 
-    def forward_layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                       cache: KVCache | None, layers: range | None = None) -> torch.Tensor:
-        """x [B, T, H]; positions [B, T, 2] (y, x); mask bool [B, 1, T, S], a HeadMask, or None.
+    def forward_layers(self, x: torch.Tensor, positions: torch.Tensor, mask, cache: KVCache | None,
+                       compiled: bool = False, layers: range | None = None) -> torch.Tensor:
+        """x [B, T, H]; positions [B, T, 2] (y, x); mask bool [B, 1, T, S], a SlotMask, a HeadMask,
+        or None (one mask object for all layers: a SlotMask makes its dense or block mask once).
+        `compiled`: run each layer through its torch.compile'd regions (DiT denoising steps).
         `layers`: run only these decoder layers (the DiT step cache runs the first one apart)."""
         cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
-        for i in layers if layers is not None else range(len(self.model.layers)):
+        indices = layers if layers is not None else range(len(self.model.layers))
+        if compiled:
+            from .kernels.compiled_layers import layer_step
+
+            x = x.contiguous()  # as every later layer's input: one graph serves the first layer too
+            for i in indices:
+                x = layer_step(self.model.layers[i], x, cos, sin, mask, cache, i)
+            return x
+        for i in indices:
             x = self.model.layers[i](x, cos, sin, mask, cache, i)
         return x
 
@@ -496,10 +538,80 @@ def attention_mask(q_slots: torch.Tensor, k_slots: torch.Tensor, q_blocks: torch
     q_slots [B, T] / k_slots [B, S]: cache slot of each query / key; *_blocks: block id or -1;
     k_valid [B, S]: False for padding keys. A query always sees itself, so padding rows stay finite.
     """
-    q, k = q_slots[:, :, None], k_slots[:, None, :]
-    qb, kb = q_blocks[:, :, None], k_blocks[:, None, :]
-    mask = (k <= q) | ((qb == kb) & (qb >= 0))
-    if k_valid is not None:
-        mask &= k_valid[:, None, :]
-    mask |= k == q
+    valid = None if k_valid is None else k_valid[:, None, :]
+    mask = visible(q_slots[:, :, None], k_slots[:, None, :], q_blocks[:, :, None], k_blocks[:, None, :], valid)
     return mask.unsqueeze(1)
+
+
+def visible(q: torch.Tensor, k: torch.Tensor, qb: torch.Tensor, kb: torch.Tensor,
+            k_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention rule, elementwise on broadcastable slot / block id / validity tensors: the
+    dense mask (`attention_mask`) and flex attention's mask_mod both evaluate it."""
+    see = (k <= q) | ((qb == kb) & (qb >= 0))
+    if k_valid is not None:
+        see = see & k_valid
+    return see | (k == q)
+
+
+@dataclass(eq=False)
+class SlotMask:
+    """The inputs of `attention_mask`, kept as structure so attention can choose its kernel: SDPA
+    with the dense bool mask (`dense()`), flex attention with a BlockMask (`block_mask()`), or
+    causal SDPA where the rule is plain causal (`is_causal()`). Whichever is asked for is made
+    once (on the mask's device) and then shared by every layer of the forward."""
+
+    q_slots: torch.Tensor  # [B, T] cache slot of each query
+    k_slots: torch.Tensor  # [B, S] cache slot of each key
+    q_blocks: torch.Tensor  # [B, T] image block id or -1
+    k_blocks: torch.Tensor  # [B, S]
+    k_valid: torch.Tensor | None = None  # [B, S] False for padding keys
+
+    def __post_init__(self) -> None:
+        self._made: dict = {}
+
+    def to(self, device: torch.device | str) -> "SlotMask":
+        return SlotMask(*(None if t is None else t.to(device) for t in
+                          (self.q_slots, self.k_slots, self.q_blocks, self.k_blocks, self.k_valid)))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.q_slots.shape[0], 1, self.q_slots.shape[1], self.k_slots.shape[1]
+
+    def dense(self) -> torch.Tensor:
+        if "dense" not in self._made:
+            self._made["dense"] = attention_mask(self.q_slots, self.k_slots, self.q_blocks, self.k_blocks,
+                                                 self.k_valid)
+        return self._made["dense"]
+
+    def is_causal(self) -> bool:
+        """Whether the rule reduces to causal attention among the same T tokens: queries and keys on
+        the same increasing slots, no image block among them, no padding."""
+        if "causal" not in self._made:
+            qs, ks = self.q_slots, self.k_slots
+            self._made["causal"] = (qs.shape == ks.shape and torch.equal(qs, ks)
+                                    and bool((qs.diff(dim=1) > 0).all()) and not bool((self.q_blocks >= 0).any())
+                                    and (self.k_valid is None or bool(self.k_valid.all())))
+        return self._made["causal"]
+
+    def block_mask(self):
+        """flex attention's BlockMask of the rule (torch.nn.attention.flex_attention.BlockMask)."""
+        if "block" not in self._made:
+            # the dense mask only for the tile structure: not kept (it is B*T*S bytes)
+            dense = self._made.get("dense")
+            if dense is None:
+                dense = attention_mask(self.q_slots, self.k_slots, self.q_blocks, self.k_blocks, self.k_valid)
+            valid = self.k_valid if self.k_valid is not None else torch.ones_like(self.k_slots, dtype=torch.bool)
+            self._made["block"] = flex_kernels.block_mask(
+                dense, _slot_mask_mod(self.q_slots, self.k_slots, self.q_blocks, self.k_blocks, valid))
+        return self._made["block"]
+
+
+def _slot_mask_mod(q_slots, k_slots, q_blocks, k_blocks, k_valid):
+    """flex attention's mask_mod(b, h, q_idx, kv_idx) for the rule: a closure over the index tensors
+    (a new closure per mask does not make the compiled kernel recompile)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return visible(q_slots[b, q_idx], k_slots[b, kv_idx], q_blocks[b, q_idx], k_blocks[b, kv_idx],
+                       k_valid[b, kv_idx])
+
+    return mask_mod
