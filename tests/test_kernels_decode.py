@@ -4,8 +4,10 @@ function and are compared with it in benchmarks/decode_kernels.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from components.engine import ARRequest, SamplingParams, kernels
 from components.engine.ar import ARGenerator
@@ -286,3 +288,43 @@ def test_negative_control_another_stream_picks_other_tokens():
     a = DeviceSampler(sp, 1024, [0], [torch.Generator().manual_seed(b) for b in range(64)])(logits, [True] * 64)
     b = DeviceSampler(sp, 1024, [0], [torch.Generator().manual_seed(b + 1000) for b in range(64)])(logits, [True] * 64)
     assert sum(x[1] != y[1] for x, y in zip(a, b)) > 50
+
+
+# --------------------------------------------------------------------------- exported K/V
+@pytest.mark.parametrize("prefilled", [True, False], ids=["prefilled", "as-decoded"])
+def test_decoded_tokens_kv_is_written_again_by_a_prefill(prefilled, monkeypatch):
+    """After a static-step decode, the decoded tokens' K/V are written again by one prefill chunk
+    (ar.PREFILL_DECODED_KV), so the exported K/V equal the DiT's recompute of the same tokens bit
+    for bit (bf16, CPU). As decoded (the negative control) they differ: the decode step's attention
+    is not the prefill's kernel."""
+    from components.engine import Engine
+    from components.engine import ar as ar_module
+    from components.engine.inputs import request_generator
+    from components.engine.sequence import first_difference
+
+    monkeypatch.setattr(ar_module, "PREFILL_DECODED_KV", prefilled)
+    # flex prefills (eager on the CPU) as on the GPU: the decode step's attention is another kernel
+    previous = kernels.configure(decode_graphs="on", attention="flex")
+    try:
+        engine = Engine.load("tiny", dtype="bfloat16")
+        # a row whose re-encoded CoT keeps decoded tokens in the reused prefix (not every row does)
+        image = Image.fromarray((np.random.RandomState(0).rand(192, 256, 3) * 255).astype("uint8"))
+        out = engine.generate_ar([ARRequest("e", "make the sky purple", [image], bot_task="think_recaption")],
+                                 SamplingParams(temperature=0, max_new_tokens=24))[0]
+    finally:
+        kernels.configure(previous)
+    seq = out.dit_sequence(engine.dit.builder)
+    kv = out.prompt_kv
+    reused = min(kv.pos_reuse_len, first_difference(out.fed_ids, seq.cond_ids))
+    prompt = len(out.prompt_ids)
+    assert reused > prompt  # decoded tokens are part of the reused prefix
+    previous = kernels.configure(attention="flex")
+    try:
+        with torch.no_grad():
+            cache = engine.dit.prefix_from_scratch(seq, [image], cfg_on=False,
+                                                   generator=request_generator(engine.model, out.seed))
+    finally:
+        kernels.configure(previous)
+    same = all(torch.equal(mine[prompt:reused], theirs[0, :, prompt:reused].transpose(0, 1))
+               for mine, theirs in zip(kv.keys + kv.values, cache.k + cache.v))
+    assert same == prefilled

@@ -51,6 +51,10 @@ from .system_prompts import TINY_SYSTEM_PROMPTS, resolve_system_prompt
 from .tokenizer import Tokenizer
 from .transformer import HunyuanImage3ForCausalMM, SlotMask, attention_mask
 
+# After a static-step (CUDA graph) decode, write the decoded tokens' K/V again with one prefill
+# chunk, so the exported K/V come from the same kernels as the DiT's recompute (_prefill_decoded).
+PREFILL_DECODED_KV = True
+
 IMAGE_TASKS = ("image", "recaption", "think", "think_recaption")
 
 
@@ -204,10 +208,13 @@ class ARGenerator:
             cache, logits, valid = self._prefill(rows, sampling,
                                                  None if mode == "plain" else batch_bucket(len(rows)))
             t1 = time.perf_counter()
+            start = cache.length
             if mode == "plain":
                 steps = self._decode(rows, cache, logits, valid, sampling)
             else:
                 steps = self._decode_static(rows, cache, logits, valid, sampling, mode == "graphs")
+                if export_kv and PREFILL_DECODED_KV:
+                    self._prefill_decoded(rows, cache, valid, start)
             t2 = time.perf_counter()
 
         outputs = []
@@ -317,6 +324,39 @@ class ARGenerator:
             cache.commit()
             logits = model.text_logits(hidden[:, -1])
             steps += 1
+
+    def _prefill_decoded(self, rows: list[_Row], cache, valid: torch.Tensor, start: int) -> None:
+        """Recompute the K/V of the decoded tokens as one prefill chunk over the cached prompt.
+
+        The decode step's attention kernel is not the prefill's, so its K/V differ from what the
+        DiT's recompute path computes in the last bf16 bits, and the difference grows through the
+        denoising (38 dB reuse vs recompute on the tiny model, T2I, H100). Written again by a
+        prefill, the exported K/V come from the same kernels as the recompute. Costs one prefill of
+        the CoT length per AR batch (a decode step reads the weights once per token, the chunk
+        once for all of them). Tokens already chosen are not touched."""
+        model = self.model
+        fed = [row.generated[:-1] for row in rows]  # the last token (a stop) is recorded, never fed
+        steps = cache.length - start
+        if steps == 0:
+            return
+        if max(len(f) for f in fed) != steps:
+            raise RuntimeError(f"decode wrote {steps} slots, the rows fed {max(len(f) for f in fed)} tokens")
+        batch, end = len(rows), cache.length
+        ids = torch.full((batch, steps), self.tok.pad, dtype=torch.long)
+        valid = valid[:, :end].clone()
+        valid[:, start:] = False
+        for b, tokens in enumerate(fed):
+            ids[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            valid[b, start:start + len(tokens)] = True
+        slots = torch.arange(end)
+        positions = (slots[start:].view(1, -1) - torch.tensor([r.offset for r in rows]).view(-1, 1))
+        positions = positions.to(torch.float64).unsqueeze(-1).expand(batch, steps, 2)
+        no_block = torch.full((batch, end), -1)
+        mask = SlotMask(slots[start:].expand(batch, -1), slots.expand(batch, -1), no_block[:, start:], no_block,
+                        valid).to(model.device)
+        cache.length = start
+        model.forward_layers(model.embed_ids(ids.to(model.device)), positions.to(model.device), mask, cache)
+        cache.commit()
 
     def _decode_static(self, rows: list[_Row], cache, logits: torch.Tensor, valid: torch.Tensor,
                        sampling: SamplingParams, graphs: bool) -> int:

@@ -45,7 +45,8 @@ def parse(spec: str | None, base: KernelSettings | None = None) -> KernelSetting
     for item in filter(None, (s.strip() for s in (spec or "").split(","))):
         if item in ("plain", "fast"):
             fast = item == "fast"
-            out = replace(out, attention="flex" if fast else "sdpa", moe="fused" if fast else "loop",
+            # plain: the engine before the fast paths (grouped GEMMs where they run, else the loop)
+            out = replace(out, attention="flex" if fast else "sdpa", moe="fused" if fast else "grouped",
                           decode_graphs="on" if fast else "off", compile="on" if fast else "off")
             continue
         name, _, value = item.partition("=")

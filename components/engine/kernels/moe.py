@@ -39,6 +39,8 @@ def choose_impl(x: torch.Tensor) -> str:
     if enabled("moe", x, "fused"):
         return "fused"
     value = settings().moe
+    if value == "grouped" and not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16):
+        return "loop"  # torch._grouped_mm runs on CUDA bfloat16 only
     return "loop" if value == "auto" else value
 
 
