@@ -46,23 +46,20 @@ TILES = [  # Triton options tried for the flex kernel (BLOCK_M / BLOCK_N divide 
 
 
 def timer(device: str):
+    """Median milliseconds of fn(): CUDA events on the GPU (engine_layers.cuda_time), else the host clock."""
+    if device == "cuda":
+        from benchmarks.engine_layers import cuda_time
+
+        return cuda_time
+
     def run(fn, warmup: int = 2, repeat: int = 5) -> float:
-        """Median milliseconds of fn() (CUDA events on the GPU)."""
         for _ in range(warmup):
             fn()
         times = []
         for _ in range(repeat):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
     return run
 
