@@ -309,6 +309,17 @@ def optional_str(text: str) -> str | None:
     return None if text.strip().lower() in ("", "null") else text
 
 
+def optional_bool(text: str) -> bool:
+    """true/false (yes/no, 1/0); '' is false (orchestrators pass empty placeholders)."""
+    value = text.strip().lower()
+    if value in ("", "false", "no", "0", "off", "none", "null"):
+        return False
+    if value in ("true", "yes", "1", "on"):
+        return True
+    raise ValueError(text)
+
+
+optional_bool.__name__ = "true/false"
 optional_int.__name__ = "integer"  # argparse names the type in its "invalid ... value" message
 optional_float.__name__ = "number"
 

@@ -58,7 +58,8 @@ ImagesOpt = Annotated[Path | None, typer.Option(
     "kustomization.yaml, written by images/build.sh); required for KFP", exists=True, dir_okay=False)]
 ParamOpt = Annotated[list[str] | None, typer.Option(
     "-p", "--param", help="pipeline parameter KEY=VALUE (repeatable): dataset, output, run_id, num_shards, model, "
-    "weights_pvc, tensor_parallel_size, quantization, steps, guidance, bot_task, kv_store; accuracy_sweep: "
+    "weights_pvc, tensor_parallel_size, quantization, steps, guidance, bot_task, batch_invariant, step_cache, "
+    "kv_store; accuracy_sweep: "
     "sweep_id, spec_config_map, weights_pvc, tensor_parallel_size")]
 TokenOpt = Annotated[str | None, typer.Option(envvar="ARDIT_SUBMIT_TOKEN", help="bearer token")]
 

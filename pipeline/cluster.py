@@ -73,6 +73,8 @@ RUN_PARAMETERS: dict[str, str | None] = {
     "steps": "",
     "guidance": "",
     "bot_task": "",
+    "batch_invariant": "",  # "true": each row's AR alone (bitwise independent of its batch)
+    "step_cache": "",  # a threshold: the DiT's approximate first-block step cache (off when empty)
     "kv_store": KV_STORE_FROM_CONFIGMAP,
 }
 SWEEP_PARAMETERS: dict[str, str | None] = {
@@ -85,9 +87,9 @@ SWEEP_PARAMETERS: dict[str, str | None] = {
 STEP_INPUTS = {
     "shard": ("dataset", "output", "run_id", "num_shards", "kind", "model", "weights_pvc"),
     "ar": ("output", "run_id", "shard", "model", "weights_pvc", "tensor_parallel_size", "quantization", "kv_store",
-           "bot_task"),
+           "bot_task", "batch_invariant"),
     "dit": ("output", "run_id", "shard", "model", "weights_pvc", "tensor_parallel_size", "quantization", "kv_store",
-            "steps", "guidance"),
+            "steps", "guidance", "step_cache"),
     "summary": ("output", "run_id"),
     "sweep": ("sweep_id", "weights_pvc", "tensor_parallel_size"),
 }
@@ -179,9 +181,10 @@ def step_args(step: str, **values: Any) -> list[Any]:
                 "--tensor-parallel-size", v.get("tensor_parallel_size", 1), "--quantization", v.get("quantization", ""),
                 "--kv-store", v["kv_store"]]
         if step == "ar":
-            args += ["--bot-task", v.get("bot_task", "")]
+            args += ["--bot-task", v.get("bot_task", ""), "--batch-invariant", v.get("batch_invariant", "")]
         else:
-            args += ["--steps", v.get("steps", ""), "--guidance", v.get("guidance", "")]
+            args += ["--steps", v.get("steps", ""), "--guidance", v.get("guidance", ""),
+                     "--step-cache", v.get("step_cache", "")]
         return args
     raise KeyError(step)
 

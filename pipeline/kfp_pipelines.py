@@ -90,18 +90,18 @@ def _components(s: ClusterSettings) -> dict[str, Any]:
 
     @dsl.container_component
     def ar(output: str, run_id: str, shard: int, model: str, weights_pvc: str, tensor_parallel_size: int,
-           quantization: str, kv_store: str, bot_task: str):
+           quantization: str, kv_store: str, bot_task: str, batch_invariant: str):
         args = step_args("ar", output=output, run_id=run_id, shard=shard, model=model,
                          tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_store=kv_store,
-                         bot_task=bot_task)
+                         bot_task=bot_task, batch_invariant=batch_invariant)
         return dsl.ContainerSpec(image=image("ar"), command=_command("ar", s, weights_pvc), args=args)
 
     @dsl.container_component
     def dit(output: str, run_id: str, shard: int, model: str, weights_pvc: str, tensor_parallel_size: int,
-            quantization: str, kv_store: str, steps: str, guidance: str):
+            quantization: str, kv_store: str, steps: str, guidance: str, step_cache: str):
         args = step_args("dit", output=output, run_id=run_id, shard=shard, model=model,
                          tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_store=kv_store,
-                         steps=steps, guidance=guidance)
+                         steps=steps, guidance=guidance, step_cache=step_cache)
         return dsl.ContainerSpec(image=image("dit"), command=_command("dit", s, weights_pvc), args=args)
 
     @dsl.container_component
@@ -169,9 +169,10 @@ def _shard_ar_dit_summary(c: dict[str, Any], s: ClusterSettings, kind: str, p: d
     common = {k: p[k] for k in ("output", "run_id", "model", "weights_pvc", "tensor_parallel_size", "quantization",
                                 "kv_store")}
     with dsl.ParallelFor(items=indices.outputs["indices"], parallelism=s.max_parallel_shards) as k:
-        ar = _place(c["ar"](shard=k, bot_task=p["bot_task"], **common), "ar", s, weights_pvc=weights_pvc,
+        ar = _place(c["ar"](shard=k, bot_task=p["bot_task"], batch_invariant=p["batch_invariant"], **common), "ar", s, weights_pvc=weights_pvc,
                     tensor_parallel_size=p["tensor_parallel_size"]).set_display_name("ar").after(sharded)
-        dit = _place(c["dit"](shard=k, steps=p["steps"], guidance=p["guidance"], **common), "dit", s,
+        dit = _place(c["dit"](shard=k, steps=p["steps"], guidance=p["guidance"], step_cache=p["step_cache"],
+                              **common), "dit", s,
                      weights_pvc=weights_pvc, tensor_parallel_size=p["tensor_parallel_size"]) \
             .set_display_name("dit").after(ar)
     _place(c["summary"](output=p["output"], run_id=p["run_id"]), "summary", s) \
@@ -199,14 +200,15 @@ def build_pipelines(settings: ClusterSettings | None = None) -> dict[str, Callab
     @dsl.pipeline(name="ardit-batch-edit", description="Edit every row of a dataset: shard -> AR -> DiT -> summary")
     def batch_edit(dataset: str, output: str, run_id: str, num_shards: int = 4, model: str = "tiny",
                    weights_pvc: str = "", tensor_parallel_size: int = 1, quantization: str = "", steps: str = "",
-                   guidance: str = "", bot_task: str = "", kv_store: str = KV_STORE_FROM_CONFIGMAP):
+                   guidance: str = "", bot_task: str = "", batch_invariant: str = "", step_cache: str = "",
+                   kv_store: str = KV_STORE_FROM_CONFIGMAP):
         _both_variants(c, s, "edit", dict(locals()))
 
     @dsl.pipeline(name="ardit-generate-dataset", description="Generate images for a prompt dataset")
     def generate_dataset(dataset: str, output: str, run_id: str, num_shards: int = 4, model: str = "tiny",
                          weights_pvc: str = "", tensor_parallel_size: int = 1, quantization: str = "",
-                         steps: str = "", guidance: str = "", bot_task: str = "",
-                         kv_store: str = KV_STORE_FROM_CONFIGMAP):
+                         steps: str = "", guidance: str = "", bot_task: str = "", batch_invariant: str = "",
+                         step_cache: str = "", kv_store: str = KV_STORE_FROM_CONFIGMAP):
         _both_variants(c, s, "generate", dict(locals()))
 
     @dsl.pipeline(name="ardit-generate-dataset-scheduled",
@@ -214,6 +216,7 @@ def build_pipelines(settings: ClusterSettings | None = None) -> dict[str, Callab
     def generate_dataset_scheduled(dataset: str, output: str, num_shards: int = 4, model: str = "tiny",
                                    weights_pvc: str = "", tensor_parallel_size: int = 1, quantization: str = "",
                                    steps: str = "", guidance: str = "", bot_task: str = "",
+                                   batch_invariant: str = "", step_cache: str = "",
                                    kv_store: str = KV_STORE_FROM_CONFIGMAP):
         p = dict(locals())
         run_id = _place(c["scheduled_run_id"](schedule_time=dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER), None, s)

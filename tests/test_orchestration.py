@@ -607,7 +607,7 @@ def test_gpu_steps_accept_the_compiled_command_line(argo_docs, step, monkeypatch
     tpl = _templates(argo_docs["ardit-batch-edit.yaml"]["spec"])[step]
     values = {"output": "/tmp/o", "run_id": "r", "shard": "0", "model": "tiny", "weights_pvc": "",
               "tensor_parallel_size": "2", "quantization": "fp8", "kv_store": "local:///tmp/kv", "bot_task": "",
-              "steps": "", "guidance": "7.5"}
+              "steps": "", "guidance": "7.5", "batch_invariant": "true", "step_cache": "0.1"}
     args = [re.sub(r"\{\{inputs\.parameters\.(\w+)\}\}", lambda m: values[m.group(1)], a)
             for a in tpl["container"]["args"]]
     seen = {}
@@ -616,3 +616,7 @@ def test_gpu_steps_accept_the_compiled_command_line(argo_docs, step, monkeypatch
     monkeypatch.setattr(main_module, "run_step", lambda target, kwargs, *a, **kw: seen.update(kwargs) or {})
     assert main_module.main(step_argv(args, env={})) == 0
     assert seen.get("tensor_parallel_size") == 2 and seen.get("quantization") == "fp8"
+    if step == "ar":
+        assert seen.get("batch_invariant") is True
+    else:
+        assert seen.get("step_cache") == 0.1

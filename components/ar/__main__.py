@@ -13,6 +13,7 @@ from components.steps import (
     StepArgumentParser,
     add_engine_args,
     engine_kwargs,
+    optional_bool,
     optional_float,
     optional_int,
     optional_str,
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=optional_int, default=None, help="0 = off (default: generation config)")
     p.add_argument("--top-p", type=optional_float, default=None, help="(0, 1] (default: generation config)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (temperature 0)")
-    p.add_argument("--batch-invariant", action="store_true",
+    p.add_argument("--batch-invariant", nargs="?", const=True, default=False, type=optional_bool,
                    help="each row computed alone: its CoT and K/V are bitwise independent of its batch and shard "
                         "(slower decode; a run keeps the setting it started with)")
     args = p.parse_args(argv)
