@@ -183,7 +183,15 @@ def _packages_distributions() -> dict[str, list[str]]:
 
 @functools.lru_cache(maxsize=1)
 def _installed() -> dict[str, importlib.metadata.Distribution]:
-    return {normalize(d.metadata["Name"]): d for d in importlib.metadata.distributions()}
+    """The distribution import resolves first for each name. Copies vendored inside another package
+    (setuptools/_vendor/importlib_metadata-8.x, on sys.path once setuptools is imported, e.g. by
+    torch's compiler) are not what pip installed and are skipped."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    for d in importlib.metadata.distributions():
+        if "_vendor" in Path(str(d.locate_file(""))).parts:
+            continue
+        found.setdefault(normalize(d.metadata["Name"]), d)
+    return found
 
 
 def normalize(dist: str) -> str:

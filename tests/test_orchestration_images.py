@@ -231,3 +231,19 @@ def test_rendered_dev_overlay_and_compiled_kfp_run_only_built_images_that_cover_
             c = ex["container"]
             checked[f"kfp/{Path(path).stem}/{name}"] = _check_coverage(c["image"], c["command"], refs, name)
     assert "kfp/accuracy_sweep/exec-sweep" in checked and "kfp/generate_dataset_scheduled/exec-ar" in checked
+
+
+def test_vendored_copies_do_not_shadow_installed_distributions():
+    """setuptools puts setuptools/_vendor on sys.path when imported (torch's compiler does): its
+    importlib_metadata-8.x copy must not replace the installed one in the requirement closure."""
+    import importlib.metadata
+
+    import setuptools  # noqa: F401 - the import is the point
+
+    from pipeline import images
+
+    images._installed.cache_clear()
+    try:
+        assert images._installed()["importlib-metadata"].version == importlib.metadata.version("importlib_metadata")
+    finally:
+        images._installed.cache_clear()
