@@ -49,7 +49,7 @@ from .config import HunyuanImage3Config
 from .kernels.compiled import call_compiled, compile_failures  # noqa: F401 - benchmarks read it here
 from .kernels.moe import combine_sorted, inverse_order, sort_by_expert
 from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, _combine
-from .weights import CheckpointError, LoadSlices, _expert_spec, _read, checkpoint_files
+from .weights import CheckpointError, LoadSlices, _expert_spec, _read, checkpoint_files, write_checkpoint
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -369,7 +369,6 @@ def build_model_fp8(config: HunyuanImage3Config, device: str | torch.device = "c
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<which>gate_and_up_proj|down_proj)\."
                      r"(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
 _LINEAR = re.compile(r"^(?P<prefix>.*)\.(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def is_fp8_checkpoint(directory: str | Path) -> bool:
@@ -400,35 +399,13 @@ def fp8_checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor
 def save_pretrained_fp8(model: nn.Module, config: HunyuanImage3Config, directory: str | Path,
                         max_shard_bytes: int = 2 << 30) -> Path:
     """Write an FP8 checkpoint: config.json (with quantization_config), shards and the index."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in fp8_checkpoint_tensors(model):
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.detach().contiguous().cpu()
-        size += nbytes
-    weight_map = {}
-    for k, shard in enumerate(shards, 1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in shard})
-    total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
-    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                   indent=1))
     cfg = config.to_dict()
     cfg["quantization_config"] = {
         "quant_method": QUANT_METHOD, "fmt": "e4m3", "activation_scheme": "dynamic",
         "weight_granularity": "channel",
         "modules": ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.shared_mlp", "mlp.experts"],
     }
-    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    return directory
+    return write_checkpoint(fp8_checkpoint_tensors(model), cfg, directory, max_shard_bytes)
 
 
 def _per_channel_scale(scale: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ import re
 import resource
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,21 +82,30 @@ def save_pretrained(model: nn.Module, config: HunyuanImage3Config, directory: st
     """Write config.json, model-0000k-of-0000n.safetensors shards and the index (official layout).
 
     dtype: cast floating tensors (e.g. bf16 as released); None keeps each tensor's own dtype."""
+
+    def tensors():
+        for name, tensor in official_tensors(model):
+            tensor = tensor.detach()
+            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+    return write_checkpoint(tensors(), config.to_dict(), directory, max_shard_bytes)
+
+
+def write_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], config: dict, directory: str | Path,
+                     max_shard_bytes: int = 2 << 30) -> Path:
+    """(name, tensor) pairs as safetensors shards of at most max_shard_bytes, the index, config.json."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in official_tensors(model):
-        tensor = tensor.detach()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
+    for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = tensor.contiguous().cpu()
+        shards[-1][name] = tensor.detach().contiguous().cpu()
         size += nbytes
     weight_map = {}
     for k, shard in enumerate(shards, 1):
@@ -106,7 +115,7 @@ def save_pretrained(model: nn.Module, config: HunyuanImage3Config, directory: st
     total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
     (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                    indent=1))
-    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
     return directory
 
 
