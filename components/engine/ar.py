@@ -374,7 +374,7 @@ class ARGenerator:
             picked = [None] * len(rows)
             if any(h in ("ratio", "sample") for h in how):
                 picked = sampler(logits, [h == "sample" for h in how])
-            next_ids = [self._next_token(row, None, sampling, picked[b]) for b, row in enumerate(rows)]
+            next_ids = [self._next_token(row, None, sampling, picked[b], how[b]) for b, row in enumerate(rows)]
             if all(t is None for t in next_ids):
                 return steps
             logits = decoder.step(next_ids)
@@ -394,13 +394,14 @@ class ARGenerator:
         return "sample"
 
     def _next_token(self, row: _Row, logits: torch.Tensor | None, sampling: SamplingParams,
-                    picked: tuple[int, int] | None = None) -> int | None:
+                    picked: tuple[int, int] | None = None, how: str | int | None = None) -> int | None:
         """Pick the row's next token; None when the row is finished (or just finished: the stop
         token is recorded but never fed). `picked`: the (ratio choice, sampled token) the device
-        computed for this row (`_decode_static`); else they come from `logits`."""
+        computed for this row (`_decode_static`); else they come from `logits`. `how`: `_how`'s
+        answer when the caller already asked it."""
         if row.done:
             return None
-        how = self._how(row, sampling)
+        how = how if how is not None else self._how(row, sampling)
         if how == "pending":
             token = row.pending.pop(0)
         elif how == "ratio":
