@@ -27,10 +27,6 @@ from components.engine.transformer import HeadMask, SlotMask, attend
 
 COND = (60, 60 + 3952 + 1 + 1024)  # one conditioning image: VAE 76x52 + sep + ViT slots
 VLLM_OMNI_IMG_PER_GPU_HOUR = 168  # IT2I, 8 steps, 4xH100 (anchors.md)
-GOALS = {  # issue 12, per layer
-    "dit_cached_step_ms": 13.0, "dit_first_step_ms": 30.0, "masked_attention_ms": 7.0,
-    "moe_overhead_pct": 10.0, "decode_b1_ms": 0.5,
-}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,15 +21,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import time
 import traceback
 
 import torch
 
+from benchmarks.engine_layers import cuda_time
 from components.engine import quant
 from components.engine.config import get_config
-from components.engine.kernels.compiled import call_compiled
+from components.engine.kernels.compiled import call_compiled, compile_failures
 from components.engine.quant import (
     Fp8Experts,
     Fp8Linear,
@@ -58,18 +58,7 @@ CEILING_N, COPY_BYTES = 8192, 1 << 30
 
 def cuda_ms(fn, warmup: int = 3, repeat: int = 10) -> float:
     """Median milliseconds of fn() with CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return cuda_time(fn, warmup=warmup, repeat=repeat)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -462,7 +451,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if not args.skip_tiny and time.time() - T0 < args.budget_s:
         guarded(res, "tiny", tiny_end_to_end)
-    res["compile_failures"] = dict(quant.compile_failures)
+    res["compile_failures"] = dict(compile_failures)
     res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     res["wall_s"] = time.time() - T0
     if args.out:

@@ -27,8 +27,8 @@ import traceback
 
 import torch
 
-from engine_layers import AR_KV, build_stack
-from engine_layers import cuda_time as cuda_ms
+from benchmarks.engine_layers import AR_KV, build_stack
+from benchmarks.engine_layers import cuda_time as cuda_ms
 
 from components.engine import kernels
 from components.engine.kernels import moe as moe_kernels

@@ -10,7 +10,6 @@ generation config" (`generation_config.json` of a checkpoint; the tiny preset ha
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys

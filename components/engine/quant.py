@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import HunyuanImage3Config
-from .kernels.compiled import call_compiled, compile_failures  # noqa: F401 - benchmarks read it here
+from .kernels.compiled import call_compiled
 from .kernels.moe import combine_sorted, inverse_order, sort_by_expert
 from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, _combine
 from .weights import CheckpointError, LoadSlices, _expert_spec, _read, checkpoint_files, write_checkpoint

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import parse_qs, urlparse
 
 if TYPE_CHECKING:  # only for annotations: importing this module must not import torch
     from typing_extensions import Self  # typing.Self needs Python 3.11
