@@ -148,6 +148,7 @@ def moe_dit_shape(model) -> dict:
 
 @torch.no_grad()
 def decode(model, batches: list[int], copy_gbps: float) -> dict:
+    from benchmarks.decode_kernels import floor_bytes
     from components.engine.kernels.decode import StaticDecoder
 
     cfg, n = model.config, model.config.num_hidden_layers
@@ -182,15 +183,8 @@ def decode(model, batches: list[int], copy_gbps: float) -> dict:
             graph.replay()
             r["fast_graph_ms"] = cuda_time(graph.replay, warmup=3, repeat=20) / n
             r["fast_vs_plain_rel"] = rel(out[:, -1], h_plain)
-        # bytes a decode step must read per layer: attention weights, the experts its tokens touch,
-        # the shared expert and the KV cache
-        moe = model.model.layers[0].mlp
-        experts = min(moe.num_experts, b * moe.top_k)
-        per_expert = 3 * cfg.hidden_size * moe.experts.down_proj.shape[2] * 2
-        attn = (cfg.hidden_size * (32 + 16) * 128 + 32 * 128 * cfg.hidden_size) * 2
-        kv = 2 * b * 8 * AR_KV * 128 * 2
-        floor_bytes = attn + (experts + 1) * per_expert + kv
-        r["floor_ms"] = floor_bytes / copy_gbps / 1e6
+        # the bytes a decode step must read per layer (the stored weights: FP8 ones count one byte)
+        r["floor_ms"] = floor_bytes(model, b, AR_KV) / copy_gbps / 1e6
         r["fast_pct_of_floor"] = 100 * r["floor_ms"] / r["fast_graph_ms"]
         r["plain_pct_of_floor"] = 100 * r["floor_ms"] / r["plain_ms"]
         res[f"b{b}"] = r
