@@ -226,6 +226,21 @@ def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=
         raise _bad("--step-cache", step_cache, "must be a number in [0, 1) (first-block change threshold; 0 = off, "
                    "typical 0.05-0.15)")
     check_device_name(device)
+    check_kernel_settings()
+
+
+def check_kernel_settings() -> None:
+    """The ARDIT_KERNELS environment variable, parsed before any work (the engine reads it later)."""
+    spec = os.environ.get("ARDIT_KERNELS")
+    if not spec:
+        return
+    from components.engine import kernels
+
+    try:
+        kernels.parse(spec)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable ARDIT_KERNELS={spec!r}: {exc} (or unset it: the defaults "
+                          "are right for most runs)") from None
 
 
 def check_device_name(device: str) -> None:

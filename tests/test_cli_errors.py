@@ -63,6 +63,7 @@ def one_line_error(code: int, err: str, *needles: str, exit_code: int = 2) -> st
     (["--kv-store", "mooncake://127.0.0.1:1"], ["mooncake://127.0.0.1:1", "unreachable", "ardit store up"]),
     (["--kv-store", "redis://x"], ["--kv-store", "unknown scheme"]),
     (["--steps", "x"], ["'--steps'", "ardit edit --help"]),
+    (["--step-cache", "2"], ["--step-cache 2.0", "[0, 1)"]),
     (["--no-such-option"], ["--no-such-option"]),
 ])
 def test_bad_options_are_one_line_before_any_work(capfd, tmp_path, datasets, args, needles):
@@ -71,6 +72,14 @@ def test_bad_options_are_one_line_before_any_work(capfd, tmp_path, datasets, arg
     one_line_error(code, err, *needles)
     assert "run " not in stdout  # no run was started
     assert not list(out.glob("*/inputs")), "work started"
+
+
+def test_bad_kernel_settings_in_the_environment(capfd, tmp_path, datasets, monkeypatch):
+    monkeypatch.setenv("ARDIT_KERNELS", "attention=magic")
+    out = tmp_path / "out"
+    code, stdout, err = ardit(capfd, "edit", datasets["edit"], "-o", str(out))
+    one_line_error(code, err, "ARDIT_KERNELS='attention=magic'", "sdpa, flex")
+    assert "run " not in stdout and not out.exists()
 
 
 def test_device_cuda_without_a_gpu(capfd, tmp_path, datasets):
