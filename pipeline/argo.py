@@ -38,6 +38,7 @@ from pipeline.cluster import (
     WEIGHTS_MOUNT,
     ClusterSettings,
     Pool,
+    RetryPolicy,
     step_args,
     step_command,
 )
@@ -135,9 +136,21 @@ def _step(step: str, s: ClusterSettings, with_weights: bool = False, volume_moun
         active_deadline_seconds=s.deadline(step),
         # Steps skip committed work, so a retry resumes rather than redoes.
         retry_strategy=RetryStrategy(limit=retry.limit, retry_policy="Always", expression=retry.argo_expression(),
-                                     backoff=m.Backoff(duration=f"{retry.backoff_seconds}s", factor=retry.factor,
-                                                       max_duration=f"{retry.max_backoff_seconds}s")),
+                                     backoff=_backoff(retry, s.deadline(step))),
     )
+
+
+def _backoff(retry: RetryPolicy, attempt_timeout: int) -> Any:
+    """Argo's backoff for ``retry``. ``maxDuration`` is the whole retry window from the first
+    attempt's start (a retry due after it is never made, a running one is cut short), so it covers
+    every attempt at its deadline plus the delays: the window KFP's pod deadline has too.
+    ``cap`` (the per-delay limit, Argo >= 3.7) is written only when a delay would exceed it."""
+    from hera.workflows import models as m
+
+    uncapped = [retry.backoff_seconds * retry.factor ** i for i in range(retry.limit)]
+    cap = f"{retry.max_backoff_seconds}s" if max(uncapped, default=0) > retry.max_backoff_seconds else None
+    return m.Backoff(duration=f"{retry.backoff_seconds}s", factor=retry.factor, cap=cap,
+                     max_duration=f"{retry.window_seconds(attempt_timeout)}s")
 
 
 def _declare_pipeline(kind: str, s: ClusterSettings, summary: Any, with_weights: bool) -> Any:
@@ -237,7 +250,7 @@ def accuracy_sweep_template(settings: ClusterSettings | None = None) -> Any:
         m.Volume(name="sweeps", persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(claim_name=s.sweep_pvc)),
     ]
     with WorkflowTemplate(name=TEMPLATES["accuracy_sweep"], arguments=_arguments(SWEEP_PARAMETERS), volumes=volumes,
-                          **_spec(s, s.deadline("sweep") * (s.retry.limit + 1))) as wt:
+                          **_spec(s, s.retry_policy("sweep").window_seconds(s.deadline("sweep")))) as wt:
         mounts = [m.VolumeMount(name="sweep-spec", mount_path=str(PurePosixPath(SWEEP_SPEC).parent), read_only=True),
                   m.VolumeMount(name="sweeps", mount_path=SWEEP_OUTPUT)]
         variants = {w: _step("sweep", s, with_weights=w, volume_mounts=mounts) for w in (False, True)}

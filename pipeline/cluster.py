@@ -133,6 +133,13 @@ class RetryPolicy:
         """Seconds to wait before retry 1..limit."""
         return [min(self.backoff_seconds * self.factor ** i, self.max_backoff_seconds) for i in range(self.limit)]
 
+    def window_seconds(self, attempt_timeout: int) -> int:
+        """Seconds from the first attempt's start until the last may end: every attempt at its
+        deadline plus the backoffs between them. Argo's ``backoff.maxDuration`` and KFP's pod
+        deadline are both this window (Argo reads maxDuration as the whole retry window, counted
+        from the first attempt, not as a cap on one delay)."""
+        return attempt_timeout * (self.limit + 1) + sum(self.delays())
+
     def launcher_args(self, attempt_timeout: int) -> list[str]:
         """pipeline.launch options that apply this policy inside one pod (KFP)."""
         return ["--retries", str(self.limit), "--backoff", str(self.backoff_seconds), "--backoff-factor",

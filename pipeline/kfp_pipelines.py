@@ -150,7 +150,7 @@ def _place(task: Any, step: str | None, s: ClusterSettings, *, weights_pvc: Any 
         kubernetes.mount_pvc(task, pvc_name=weights_pvc, mount_path=WEIGHTS_MOUNT)
     # The pod runs every attempt the launcher makes (RetryPolicy): its deadline covers them all.
     policy = s.retry_policy(step)
-    kubernetes.set_timeout(task, s.deadline(step) * (policy.limit + 1) + sum(policy.delays()))
+    kubernetes.set_timeout(task, policy.window_seconds(s.deadline(step)))
     return task
 
 

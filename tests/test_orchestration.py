@@ -256,7 +256,10 @@ def _check_step_template(tpl: dict, step: str, with_weights: bool, s: ClusterSet
         values |= {"spec": "/spec/spec.yaml", "output": "/sweeps"}
     assert c["args"] == step_args(step, **values)
     rs = tpl["retryStrategy"]
-    assert rs["limit"] == 3 and rs["backoff"] == {"duration": "30s", "factor": 2, "maxDuration": "600s"}
+    # maxDuration is Argo's whole retry window from the first attempt: it must let all 4 attempts
+    # run to their deadline with the backoffs between (30 + 60 + 120 s), as KFP's pod deadline does
+    window = 4 * s.deadline(step) + 30 + 60 + 120
+    assert rs["limit"] == 3 and rs["backoff"] == {"duration": "30s", "factor": 2, "maxDuration": f"{window}s"}
     never = "1, 2" if step == "sweep" else "2"
     assert f"asInt(lastRetry.exitCode) not in [{never}]" in rs["expression"]
     assert tpl["activeDeadlineSeconds"] == s.deadline(step)
@@ -428,23 +431,37 @@ def test_committed_argo_renders_equal_generated():
 
 def test_argo_and_kfp_share_the_retry_policy(argo_docs, kfp_dir):
     """Per step, the exit codes Argo's expression never retries are the ones the KFP launcher never retries."""
-    argo = {}
+    argo, argo_window = {}, {}
     for doc in argo_docs.values():
         spec = doc["spec"].get("workflowSpec", doc["spec"])
         for tpl in spec["templates"]:
             if "container" in tpl:
                 codes = re.search(r"not in \[([\d, ]+)\]", tpl["retryStrategy"]["expression"]).group(1)
                 argo[tpl["container"]["command"][-1]] = ",".join(c.strip() for c in codes.split(","))
-    kfp = {}
+                argo_window[tpl["container"]["command"][-1]] = tpl["retryStrategy"]["backoff"]["maxDuration"]
+    kfp, kfp_window = {}, {}
     for path in kfp_dir.glob("*.yaml"):
-        spec, _ = _kfp_docs(path)
-        for ex in spec["deploymentSpec"]["executors"].values():
+        spec, k8s = _kfp_docs(path)
+        for name, ex in spec["deploymentSpec"]["executors"].items():
             c = ex["container"]["command"]
             if c[:3] == ["python", "-m", "pipeline.launch"]:
                 kfp[c[-1]] = _launcher_options(c)["--no-retry-exit-codes"]
+                kfp_window[c[-1]] = f"{k8s[name]['activeDeadlineSeconds']}s"
     assert argo == kfp
+    # the same retry window: Argo's maxDuration (from the first attempt) is KFP's pod deadline
+    assert argo_window == kfp_window
     assert set(argo) == {f"components.{s}" for s in ("shard", "ar", "dit", "summary")} | {"pipeline.sweep"}
     assert all("2" in codes.split(",") for codes in argo.values())
+
+
+def test_argo_backoff_caps_each_delay_only_when_a_delay_would_exceed_the_cap():
+    from pipeline.argo import _backoff
+    from pipeline.cluster import RetryPolicy
+
+    default = _backoff(RetryPolicy(), 3600)  # 30, 60, 120 s: never above 600 s
+    assert default.cap is None and default.max_duration == f"{4 * 3600 + 210}s"
+    long = _backoff(RetryPolicy(limit=6, max_backoff_seconds=300), 100)  # 30 .. 960 s uncapped
+    assert long.cap == "300s" and long.max_duration == f"{7 * 100 + 30 + 60 + 120 + 240 + 300 + 300}s"
 
 
 def test_compile_command_writes_both_engines(tmp_path):
