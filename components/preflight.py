@@ -1,7 +1,9 @@
 """One validation pass before a job does any work.
 
 Everything a run depends on is checked up front and reported in one line (what, where, how to
-fix) as a ConfigError, which every CLI turns into exit code 2:
+fix) as a ConfigError, which every CLI turns into exit code 2. Storage errors that may pass (S3
+5xx, timeouts, an unreachable endpoint) are not configuration errors: they propagate (exit 1), so
+workflow engines retry them:
 
     options          numbers in range, choices (steps >= 1, guidance >= 0, bot_task, dtype, ...)
     device           cuda present when asked for; "gpu" suggests "cuda"
@@ -39,7 +41,13 @@ def check_dataset(dataset: str, kind: str):
 def check_output(output: str) -> None:
     """The output root can be written: a directory we can create and write into, or an S3
     prefix whose bucket exists and whose credentials may read, list and write."""
-    from components.data.objectstore import ObjectStoreError, S3ObjectStore, open_object_store
+    from components.data.objectstore import (
+        BucketNotFoundError,
+        ObjectStoreError,
+        S3AccessError,
+        S3ObjectStore,
+        open_object_store,
+    )
 
     try:
         store = open_object_store(output)
@@ -48,8 +56,10 @@ def check_output(output: str) -> None:
     if isinstance(store, S3ObjectStore):
         try:
             store.check_access(write=True)
-        except ObjectStoreError as exc:
+        except (S3AccessError, BucketNotFoundError) as exc:  # configuration: no retry can fix it
             raise ConfigError(f"--output {output}: {exc}") from None
+        except ObjectStoreError as exc:  # 5xx, timeouts, unreachable: may pass, so exit 1 (retried)
+            raise ObjectStoreError(f"--output {output}: {exc}; this may pass: run the same command again") from None
         except ImportError as exc:
             raise (missing_extra(exc, f"--output {output}") or exc) from None
         return

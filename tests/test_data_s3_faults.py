@@ -241,6 +241,30 @@ def test_missing_bucket_is_one_line_before_any_work(s3_env, tmp_path, capfd) -> 
     assert "no-such-bucket-ardit" not in [b["Name"] for b in client.list_buckets()["Buckets"]]
 
 
+def test_s3_outage_at_job_start_exits_1_not_2(s3_prefix, s3_env, tmp_path, monkeypatch, capfd) -> None:
+    """An S3 outage during the output check is retryable (exit 1), not a configuration error (exit 2,
+    which orchestrators never retry); the same check passes once the outage is over."""
+    from components.data.sample import write_sample_edit_dataset
+    from components.errors import ConfigError
+    from components.preflight import check_output
+    from pipeline.cli import main
+
+    dataset = write_sample_edit_dataset(str(tmp_path / "d.parquet"), n=1, size=64)
+    monkeypatch.setenv("ARDIT_S3_MAX_ATTEMPTS", "2")
+    with FlakyS3Proxy(s3_env.endpoint, always=lambda method, path: True) as proxy:
+        monkeypatch.setenv("ARDIT_S3_ENDPOINT", proxy.url)
+        with pytest.raises(ObjectStoreError) as err:
+            check_output(f"{s3_prefix}/out")
+        assert not isinstance(err.value, ConfigError) and "run the same command again" in str(err.value)
+        capfd.readouterr()
+        code = main(["edit", dataset, "-o", f"{s3_prefix}/out"])
+        stderr = capfd.readouterr().err
+        assert code == 1 and "503" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert sum(proxy.injected.values()) >= 4, proxy.injected
+    monkeypatch.delenv("ARDIT_S3_ENDPOINT")
+    check_output(f"{s3_prefix}/out")  # the outage is over: the same check passes
+
+
 def test_refused_credentials_name_the_credentials(s3_prefix, monkeypatch) -> None:
     from components.errors import ConfigError
     from components.preflight import check_output
