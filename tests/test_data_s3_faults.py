@@ -9,6 +9,7 @@ attempts go to the real server, and the results are checked there.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import threading
 
@@ -263,6 +264,55 @@ def test_s3_outage_at_job_start_exits_1_not_2(s3_prefix, s3_env, tmp_path, monke
         assert sum(proxy.injected.values()) >= 4, proxy.injected
     monkeypatch.delenv("ARDIT_S3_ENDPOINT")
     check_output(f"{s3_prefix}/out")  # the outage is over: the same check passes
+
+
+def test_image_uri_read_retries_transient_failures_and_fails_the_step_if_they_persist(
+        s3_prefix, s3_env, tmp_path, monkeypatch, capfd) -> None:
+    """A transient failure reading an image_uri is retried; one that persists fails the shard step
+    retryably (exit 1, no manifest) instead of becoming a permanent error row; a missing object
+    stays an error row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from components.data import datasets
+    from components.data.objectstore import TransientStorageError
+    from components.data.runs import RunLayout
+    from components.shard.__main__ import main as shard_main
+
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(png, format="PNG")
+    _store(s3_prefix).put_bytes("imgs/a.png", png.getvalue())
+    rows = [{"id": "a", "instruction": "make it blue", "image_uri": f"{s3_prefix}/imgs/a.png"},
+            {"id": "gone", "instruction": "make it red", "image_uri": f"{s3_prefix}/imgs/nope.png"}]
+    dataset = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), dataset)
+    monkeypatch.setattr(datasets, "IMAGE_READ_BACKOFF_S", 0.0)
+    monkeypatch.setenv("ARDIT_S3_MAX_ATTEMPTS", "2")  # botocore gives up after 2: the fetcher's retry must help
+    left = {"faults": 3}
+
+    def image_fails(method: str, path: str, persist: bool = False) -> bool:
+        if not path.split("?")[0].endswith("/imgs/a.png") or (left["faults"] <= 0 and not persist):
+            return False
+        left["faults"] -= 1
+        return True
+
+    with FlakyS3Proxy(s3_env.endpoint, always=image_fails) as proxy:
+        monkeypatch.setenv("ARDIT_S3_ENDPOINT", proxy.url)
+        valid, errors = datasets.validate_dataset(datasets.read_dataset(str(dataset)), "edit")
+        assert [j.id for j in valid] == ["a"] and valid[0].image == png.getvalue()
+        assert [j.id for j in errors] == ["gone"] and "does not exist" in errors[0].error
+        assert sum(proxy.injected.values()) == 3, proxy.injected
+    with FlakyS3Proxy(s3_env.endpoint, always=lambda m, p: image_fails(m, p, persist=True)) as proxy:
+        monkeypatch.setenv("ARDIT_S3_ENDPOINT", proxy.url)
+        with pytest.raises(TransientStorageError, match="could not be read after 3 tries"):
+            datasets.validate_dataset(datasets.read_dataset(str(dataset)), "edit")
+        capfd.readouterr()
+        code = shard_main(["--dataset", str(dataset), "--output", str(tmp_path / "out"), "--run-id", "r1",
+                           "--num-shards", "1", "--kind", "edit"])
+        assert code == 1, capfd.readouterr().err
+    layout = RunLayout.open(str(tmp_path / "out"), "r1")
+    assert layout.read_json(layout.manifest_key) is None  # nothing committed
 
 
 def test_refused_credentials_name_the_credentials(s3_prefix, monkeypatch) -> None:

@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import re
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
@@ -35,7 +36,15 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .objectstore import ObjectNotFoundError, ObjectStore, is_s3_uri, open_object_store, split_uri
+from .objectstore import (
+    ObjectNotFoundError,
+    ObjectStore,
+    TransientStorageError,
+    is_s3_uri,
+    is_transient,
+    open_object_store,
+    split_uri,
+)
 
 Kind = Literal["edit", "generate"]
 KINDS: tuple[str, ...] = ("edit", "generate")
@@ -237,14 +246,38 @@ def check_columns(source: DatasetSource, kind: str) -> None:
 # -------------------------------------------------------------------------------------- validation
 
 
+# An image_uri read that fails for a reason that may pass (S3 5xx, timeout, dropped connection) is
+# tried this many times in all (each try is itself retried by botocore), BACKOFF_S, 2 x, ... apart;
+# then the step fails retryably instead of writing a permanent error row.
+IMAGE_READ_ATTEMPTS = 3
+IMAGE_READ_BACKOFF_S = 2.0
+
+
 class _ImageFetcher:
-    """Reads image_uri values: absolute paths, file://, s3://, or keys relative to the dataset."""
+    """Reads image_uri values: absolute paths, file://, s3://, or keys relative to the dataset.
+
+    Transient failures are retried; one that persists raises TransientStorageError (the shard step
+    exits 1 and is retried, with nothing committed); other failures are the row's problem."""
 
     def __init__(self, base: ObjectStore | None):
         self.base = base
         self._stores: dict[str, ObjectStore] = {}
 
     def __call__(self, uri: str) -> bytes:
+        for attempt in range(1, IMAGE_READ_ATTEMPTS + 1):
+            try:
+                return self._read(uri)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                if attempt == IMAGE_READ_ATTEMPTS:
+                    raise TransientStorageError(f"image_uri {uri!r} could not be read after {attempt} tries, for a "
+                                                f"reason that may pass ({type(exc).__name__}: {exc}); the step "
+                                                "fails so that it is retried") from exc
+            time.sleep(IMAGE_READ_BACKOFF_S * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
+
+    def _read(self, uri: str) -> bytes:
         if is_s3_uri(uri) or uri.startswith("file://") or uri.startswith("/"):
             parent, name = split_uri(uri)
             if parent not in self._stores:
@@ -401,6 +434,8 @@ def _load_image(row: dict[str, Any], name: str, fetch: Callable[[str], bytes],
             data = fetch(str(uri))
         except ObjectNotFoundError:
             return None, str(uri), f"{name}_uri {uri!r} does not exist"
+        except TransientStorageError:
+            raise  # not the row's fault: the step fails retryably
         except Exception as exc:
             return None, str(uri), f"{name}_uri {uri!r} could not be read: {type(exc).__name__}: {exc}"
     if data is None or len(data) == 0:

@@ -47,6 +47,29 @@ class BucketNotFoundError(ObjectStoreError):
     """The bucket does not exist."""
 
 
+class TransientStorageError(ObjectStoreError):
+    """A failure that may pass on its own (HTTP 5xx, throttling, timeouts, a dropped or refused
+    connection), still failing after the retries: the step should fail retryably (exit 1)."""
+
+
+# HTTP statuses and error codes of failures that may pass on their own
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+                    "ServiceUnavailable", "RequestLimitExceeded"}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a storage failure may pass on its own (worth retrying) rather than being about the
+    key, the data or the setup (a missing object, refused credentials, a bad request)."""
+    if isinstance(exc, ObjectStoreError):
+        return isinstance(exc, TransientStorageError)
+    try:
+        from s3transfer.exceptions import RetriesExceededError  # a managed download's body kept failing
+    except ImportError:
+        return isinstance(exc, (ConnectionError, TimeoutError))
+    return isinstance(exc, (*_streaming_errors(), RetriesExceededError))
+
+
 # error codes that mean "these credentials": no retry, and say where credentials come from
 _AUTH_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
                "AllAccessDisabled"}
@@ -415,13 +438,16 @@ class S3ObjectStore(ObjectStore):
             )
             if status == 403 or code in _AUTH_CODES:
                 return S3AccessError(f"{msg}: the credentials were refused or lack permission; {_CREDENTIALS_HINT}")
+            if status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES:
+                return TransientStorageError(msg)
             return ObjectStoreError(msg)
         if isinstance(exc, NoCredentialsError):
             return S3AccessError(f"S3 {op} {where}: no credentials found; {_CREDENTIALS_HINT}")
         if isinstance(exc, EndpointConnectionError):
-            return ObjectStoreError(f"S3 {op} {where}: cannot reach the endpoint {endpoint} ({exc}); "
-                                    "check ARDIT_S3_ENDPOINT / AWS_ENDPOINT_URL")
-        return ObjectStoreError(f"S3 {op} {where} failed: {type(exc).__name__}: {exc} [endpoint {endpoint}]")
+            return TransientStorageError(f"S3 {op} {where}: cannot reach the endpoint {endpoint} ({exc}); "
+                                         "check ARDIT_S3_ENDPOINT / AWS_ENDPOINT_URL")
+        error = TransientStorageError if is_transient(exc) else ObjectStoreError
+        return error(f"S3 {op} {where} failed: {type(exc).__name__}: {exc} [endpoint {endpoint}]")
 
     def _call(self, op: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         from boto3.exceptions import Boto3Error
@@ -491,7 +517,7 @@ class S3ObjectStore(ObjectStore):
             finally:
                 resp["Body"].close()
             if attempt == self.max_attempts:
-                raise ObjectStoreError(f"S3 get {self.url(key)} bytes {start}+{length} failed while reading "
+                raise TransientStorageError(f"S3 get {self.url(key)} bytes {start}+{length} failed while reading "
                                        f"the body ({problem}) after {attempt} attempt(s) "
                                        f"[endpoint {self.endpoint_url or 'AWS'}]")
             time.sleep(min(20.0, random.uniform(0, 2 ** attempt * 0.1)))  # botocore's standard backoff
