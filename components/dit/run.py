@@ -109,8 +109,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kv_io.forget(f"{run_id}/{shard}", prefix=True)
     finally:
         out_io.close()  # a row being written is finished (it is atomic either way), then stop
-        kv_io.close()
-        store.close()
+        kv_io.close()  # closes the store too, within its timeout
     if kv_store is None:
         _remove_if_empty(default_kv_store(output, run_id))
     progress.finish(task)
@@ -165,18 +164,33 @@ def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: s
 
 
 class _KVReader:
-    """The shard's KV traffic on one background thread: gets run ahead of the denoising loop
-    (prefetch), deletes of consumed payloads run behind it. One thread, so the store client
-    (not thread-safe) is only ever used by one thread at a time."""
+    """The shard's KV traffic, off the denoising loop: gets run ahead of it (prefetch) on one
+    thread, deletes of consumed payloads behind it on another, so a slow delete never delays a get.
+    Each wait is bounded by the store's timeout and each delete is tried once. The first sign that
+    the store is down (unreachable, or no answer in time) ends the shard's KV traffic: later rows
+    recompute at once with the reason (one log line says so), and the payloads left behind expire
+    with the store's TTL (`ardit store gc`). Both threads are daemons: a call hung in a frozen
+    store never holds up the step's exit."""
 
     def __init__(self, store: Any, engine: Any, kv_reuse: bool, deletes: bool = True):
         from components.kvparts import rank_heads
+        from components.kvstore.base import DaemonPool
 
         self.store, self.engine, self.kv_reuse, self.deletes = store, engine, kv_reuse, deletes
         self.heads = rank_heads(engine)  # this rank's KV heads under tensor parallelism
         self.device = str(engine.model.device)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-io")
+        self.timeout_s = float(getattr(getattr(store, "cfg", None), "timeout", 0) or 60.0)
+        self.gets = DaemonPool(1, "kv-io-get")
+        self.deleter = DaemonPool(1, "kv-io-delete")
+        self.down: str | None = None  # why the store is taken as down for the rest of the shard
         self.deletes_failed = 0
+
+    def _mark_down(self, why: str) -> None:
+        if self.down is None:
+            self.down = why
+            print(f"dit: KV store down ({why}): the rest of this shard recomputes its KV without waiting on "
+                  "the store; payloads left behind expire with the store's TTL (`ardit store gc`)",
+                  file=sys.stderr, flush=True)
 
     def fetch(self, key: str, ar_row: dict[str, Any] | None) -> Future:
         """A future of (kv or None, why not, get seconds or None)."""
@@ -189,16 +203,22 @@ class _KVReader:
             reason = f"AR could not store KV: {ar_row['kv_error']}"
         elif not ar_row.get("kv_key"):
             reason = "AR exported no KV (no reuse boundary)"
+        elif self.down:
+            reason = f"KV store down: {self.down}"
         if reason is not None:
             done: Future = Future()
             done.set_result((None, reason, None))
             return done
-        return self.pool.submit(self._get, key)
+        return self.gets.submit(self._get, key)
 
-    def _get(self, key: str) -> tuple[Any, str, float]:
+    def _get(self, key: str) -> tuple[Any, str, float | None]:
+        from components.kvparts import get_heads
+        from components.kvstore.base import TIMEOUT, UNREACHABLE
+
+        if self.down:  # found down while this get waited in the queue
+            return None, f"KV store down: {self.down}", None
         t0 = time.perf_counter()
         first, last, total, _ = self.heads
-        from components.kvparts import get_heads
 
         def get():  # this rank's heads: from the whole payload, or the head parts of a parallel AR
             return get_heads(self.store, key, first, last, total, self.engine.model_id, self.engine.config_hash,
@@ -212,33 +232,59 @@ class _KVReader:
             stream.synchronize()
         else:
             got = get()
+        if not got.ok and got.code in (TIMEOUT, UNREACHABLE):
+            self._mark_down(got.reason)
         return got.kv, ("" if got.ok else f"KV {got.reason}"), time.perf_counter() - t0
 
-    @staticmethod
-    def result(fut: Future) -> tuple[Any, str, float | None]:
-        """The fetched KV, or a recompute reason when the fetch itself failed."""
+    def result(self, fut: Future) -> tuple[Any, str, float | None]:
+        """The fetched KV, or a recompute reason when the fetch failed or the store did not answer."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
         try:
-            return fut.result()
+            return fut.result(timeout=self.timeout_s + 5)
+        except FutureTimeout:
+            self._mark_down(f"a get had no answer in {self.timeout_s:g} s")
+            return None, f"KV store down: {self.down}", None
         except Exception as e:  # noqa: BLE001 - a failed prefetch is a recompute, not a failed row
             return None, f"KV prefetch failed: {type(e).__name__}: {e}", None
 
     def forget(self, key: str, prefix: bool = False) -> None:
-        """Delete a consumed payload behind the loop; a store that is down or restarting is
-        retried, then left to the TTL (never an error of the row or the shard). Head parts of a
-        tensor-parallel AR go with the shard's prefix delete at commit. Only the owner rank deletes."""
+        """Delete a consumed payload behind the loop, once, within the store's timeout; a store that
+        is down is left alone (its payloads expire with the TTL). Head parts of a tensor-parallel AR
+        go with the shard's prefix delete at commit. Only the owner rank deletes."""
         if not self.deletes:
             return
 
         def delete() -> None:
-            error = delete_quietly(self.store, key, prefix=prefix)
+            error = "skipped: the store is down" if self.down else self._bounded(
+                lambda: delete_quietly(self.store, key, prefix=prefix, attempts=1))
             if error:
                 self.deletes_failed += 1
-                print(f"dit: KV delete {key!r}{' (prefix)' if prefix else ''} failed: {error}; the payload "
-                      "expires with the store's TTL", file=sys.stderr)
-        self.pool.submit(delete)
+                if not self.down:
+                    print(f"dit: KV delete {key!r}{' (prefix)' if prefix else ''} failed: {error}; the payload "
+                          "expires with the store's TTL", file=sys.stderr)
+                    self._mark_down(f"a delete failed: {error}")
+        self.deleter.submit(delete)
+
+    def _bounded(self, call: Any) -> str | None:
+        """``call()`` (which returns None or an error) on a daemon thread, given the store's timeout."""
+        from components.kvstore.base import DaemonPool
+
+        pool = DaemonPool(1, "kv-io-call")
+        fut = pool.submit(call)
+        pool.shutdown(wait=False)
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a timeout or a failure: the caller reports it
+            return f"no answer in {self.timeout_s:g} s" if not str(e) else f"{type(e).__name__}: {e}"
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)  # queued deletes still run; a pending get is bounded by the store timeout
+        """Let queued deletes finish (each bounded), then close the store: all within a bound,
+        so a store that stopped answering never holds the finished step."""
+        self.gets.shutdown(wait=True, timeout=self.timeout_s + 5)
+        self.deleter.shutdown(wait=True, timeout=self.timeout_s + 5)
+        if self._bounded(lambda: self.store.close()):
+            print(f"dit: closing the KV store got no answer in {self.timeout_s:g} s; leaving it", file=sys.stderr)
 
 
 class _RowWriter:

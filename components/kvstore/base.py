@@ -8,9 +8,12 @@ reason. Only a transfer that hangs is bounded, by the store's timeout.
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
@@ -224,3 +227,38 @@ def delete_quietly(store: KVStore, key: str, *, prefix: bool = False, attempts: 
             if attempt + 1 < attempts:
                 time.sleep(backoff_s * 2**attempt)
     return error
+
+
+class DaemonPool:
+    """``n`` daemon threads running submitted calls (with n=1: in order). A stand-in for
+    ThreadPoolExecutor, whose threads the interpreter joins at exit: a call hung in a frozen store
+    server would hold the step's process long after its commit. Here it is abandoned with it."""
+
+    def __init__(self, n: int = 1, name: str = "kv-io"):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._loop, name=f"{name}_{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fut, fn, args = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                    fut.set_exception(e)
+
+    def shutdown(self, wait: bool = True, timeout: float | None = None) -> bool:
+        """Stop after the queued calls; with `wait`, wait for them (at most `timeout` s). True if stopped."""
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            for t in self._threads:
+                t.join(timeout)
+        return not any(t.is_alive() for t in self._threads)

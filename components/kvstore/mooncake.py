@@ -40,7 +40,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -360,9 +360,9 @@ class MooncakeStore(KVStore):
         self._seq.shutdown(wait=False)
         self._exec, self._seq = self._executor(), self._executor(1)
 
-    def _executor(self, n: int = 0) -> ThreadPoolExecutor:
-        n = n or max(1, self.cfg.put_streams)
-        return ThreadPoolExecutor(max_workers=n, thread_name_prefix="mooncake")
+    def _executor(self, n: int = 0) -> base.DaemonPool:
+        # daemon threads: a call hung in a frozen master is abandoned, never joined at exit
+        return base.DaemonPool(n or max(1, self.cfg.put_streams), name="mooncake")
 
     def _ensure(self, which: str, size: int) -> _Registered:
         cur: _Registered | None = getattr(self, which)
