@@ -421,6 +421,27 @@ def test_argo_accuracy_sweep(argo_docs):
     assert volumes["sweeps"]["persistentVolumeClaim"]["claimName"] == "ardit-sweeps"
 
 
+def test_documented_cron_dataset_passes_the_cron_shard_check(argo_docs, tmp_path):
+    """docs/deploy.md seeds the cron's dataset: what that command writes passes the dataset check of
+    the cron's shard step (its kind as wired in the CronWorkflow). It used to write an edit dataset
+    for a `generate` cron: the first scheduled run failed with exit 2."""
+    from components.preflight import check_dataset
+
+    s = ClusterSettings()
+    seeding = [line for line in (REPO / "docs" / "deploy.md").read_text().splitlines()
+               if line.startswith("python -c") and s.cron_dataset in line]
+    assert len(seeding) == 1, seeding
+    code = re.fullmatch(r'python -c "(.*)"', seeding[0]).group(1)
+    local = str(tmp_path / "daily.parquet")
+    subprocess.run([sys.executable, "-c", code.replace(s.cron_dataset, local)], check=True, cwd=REPO,
+                   env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, capture_output=True)
+    cron = argo_docs["ardit-generate-dataset-cron.yaml"]["spec"]["workflowSpec"]
+    kinds = {p["value"] for t in cron["templates"] for task in t.get("dag", {}).get("tasks", [])
+             if task["name"] == "shard" for p in task["arguments"]["parameters"] if p["name"] == "kind"}
+    assert kinds == {"generate"}
+    check_dataset(local, kinds.pop())  # raises ConfigError (the shard step's exit 2) if it does not fit
+
+
 def test_committed_argo_renders_equal_generated():
     from pipeline.argo import render_all
 
