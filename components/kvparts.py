@@ -81,8 +81,9 @@ def get_heads(store: Any, key: str, first: int, last: int, total: int, expect_mo
              for h in range(first, last)]
     for head, part in zip(range(first, last), parts):
         if not part.ok:
+            # missing in both forms: the whole payload's reason, which names the key
             return GetResult(None, f"{part.reason} (KV head {head} of {total})" if part.code != "missing"
-                             else "missing")
+                             else whole.reason)
     kvs = [p.kv for p in parts]
     import torch
 

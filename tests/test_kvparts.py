@@ -57,7 +57,10 @@ def test_a_missing_head_part_means_recompute_with_the_reason(tmp_path):
         put_heads(store, "run/0/row", _heads(full, head, head + 1), first=head, total=4)
     assert get_heads(store, "run/0/row", 0, 2, 4).ok  # the heads a TP2 rank 0 needs are there
     missing = get_heads(store, "run/0/row", 2, 4, 4)
-    assert not missing.ok and missing.reason == "missing"
+    # the DiT's "KV missing" row reason names the key (it used to say only "missing")
+    assert not missing.ok and missing.code == "missing" and "run/0/row" in missing.reason, missing.reason
+    absent = get_heads(store, "run/0/never", 0, 4, 4)
+    assert absent.code == "missing" and "run/0/never" in absent.reason, absent.reason
     wrong_model = get_heads(store, "run/0/row", 0, 2, 4, expect_model_id="other")
     assert not wrong_model.ok and wrong_model.code == "model_mismatch" and "KV head 0 of 4" in wrong_model.reason
 

@@ -238,3 +238,64 @@ def test_local_temp_files_never_show_as_keys(tmp_path, run):
     assert s.keys() == [] and s.get(f"{run}/0/1").code == "missing"
     s.expire(60)
     assert not tmp.exists() and not (tmp_path / run).exists()
+
+
+def _orphan_a_part(store, run) -> str:
+    """What a put killed half-way leaves: data but no payload (mooncake: parts without their
+    header object; local: a writer's temp file). Returns the payload key it was for."""
+    key = f"{run}/0/killed"
+    if hasattr(store, "_remove_regex"):
+        store.put(key, make_kv())
+        store._remove_regex(f"^{key}$")  # the header goes, the parts stay
+    else:
+        part = store.root / run / "0" / ".tmp-killed.kv.1.abcd"
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_bytes(b"partial")
+    return key
+
+
+def test_store_keys_lists_orphaned_parts_and_gc_removes_them(store_url, store, run):
+    """`ardit store keys` shows what a killed put left (it used to list payloads only) and
+    `ardit store gc` removes it with the payloads older than the TTL, without a later job."""
+    from typer.testing import CliRunner
+
+    from components.kvstore.cli import app
+
+    store.put(f"{run}/0/0", make_kv())
+    killed = _orphan_a_part(store, run)
+    listed = CliRunner().invoke(app, ["keys", store_url, "--prefix", run])
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.strip().splitlines()
+    assert lines[0] == f"{run}/0/0" and len(lines) >= 2, lines
+    assert all("orphaned part" in line for line in lines[1:]), lines
+    assert all(line.startswith(f"{run}/0/") for line in lines[1:]) and (
+        any(line.startswith(killed + "#") for line in lines[1:]) or "killed" in lines[1]), lines
+    kept = CliRunner().invoke(app, ["gc", store_url])  # the default TTL (hours): everything here is fresh
+    assert kept.exit_code == 0 and store.keys(run) == [f"{run}/0/0"], kept.output
+    gone = CliRunner().invoke(app, ["gc", store_url, "--older-than", "0s"])
+    assert gone.exit_code == 0 and "expired" in gone.output, gone.output
+    assert store.keys(run) == [] and store.orphaned_parts(run) == [] and ours(store, run) == []
+    bad = CliRunner().invoke(app, ["gc", store_url, "--older-than", "soon"])
+    assert bad.exit_code == 2 and "not a duration" in bad.output
+
+
+def test_local_store_has_a_ttl_and_the_dit_step_expires_orphans_at_start(tmp_path, run):
+    """The default local store used to keep a killed run's payloads forever: they now expire after
+    its TTL (24 h, or ?ttl=), at every AR/DiT step start."""
+    from types import SimpleNamespace
+
+    from components.dit.run import _KVReader
+
+    assert open_store(str(tmp_path)).ttl_s == 24 * 3600
+    store = open_store(f"local://{tmp_path}?ttl=1h")
+    assert store.ttl_s == 3600
+    store.put(f"{run}/0/old", make_kv())
+    store.put(f"{run}/0/new", make_kv())
+    os.utime(store._path(f"{run}/0/old"), (1, 1))
+    engine = SimpleNamespace(config=SimpleNamespace(num_key_value_heads=2), parallel=None,
+                             model=SimpleNamespace(device="cpu"))
+    reader = _KVReader(store, engine, kv_reuse=True)
+    reader.close()
+    assert store.keys(run) == [f"{run}/0/new"]
+    with pytest.raises(ValueError, match="only ttl"):
+        open_store(f"local://{tmp_path}?tll=1h")

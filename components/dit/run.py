@@ -184,6 +184,10 @@ class _KVReader:
         self.deleter = DaemonPool(1, "kv-io-delete")
         self.down: str | None = None  # why the store is taken as down for the rest of the shard
         self.deletes_failed = 0
+        if deletes and getattr(store, "ttl_s", None):
+            def expire() -> None:  # orphans of killed runs: housekeeping, best effort
+                store.expire(store.ttl_s)
+            self.deleter.submit(self._bounded, expire)
 
     def _mark_down(self, why: str) -> None:
         if self.down is None:

@@ -162,6 +162,11 @@ class KVStore(ABC):
         """Payload keys (sorted) that start with `prefix` (a plain string prefix, as
         `ardit store keys --prefix`; `run/` for exactly one run); all if empty."""
 
+    def orphaned_parts(self, prefix: str = "") -> list[str]:
+        """Stored objects that belong to no payload (the parts or temp files of a put that never
+        finished); `expire` removes them with the payloads of their age."""
+        return []
+
     @abstractmethod
     def health(self) -> Health: ...
 

@@ -1,4 +1,4 @@
-"""`ardit store up|down|status|keys|clean`: a single-host Mooncake store for development and tests.
+"""`ardit store up|down|status|keys|clean|gc`: a single-host Mooncake store for development and tests.
 
 `up` starts master + metadata server + segment holder on 127.0.0.1 (detached) and prints the
 store URL to pass as `--kv-store`; `down` stops them by the PIDs in the state file.
@@ -94,16 +94,42 @@ def keys(
     url: str = typer.Argument(..., help="store URL"),
     prefix: str = typer.Option("", help="list keys that start with this (a run id, 'run/0/', any prefix)"),
 ) -> None:
-    """List payload keys in a store."""
+    """List payload keys in a store, then the orphaned parts (a put that never finished), marked."""
     from components.kvstore.base import StoreError
 
     with _open(url) as s:
         try:
-            found = s.keys(prefix)
+            found, parts = s.keys(prefix), s.orphaned_parts(prefix)
         except StoreError as exc:
             raise _fail(exc) from None
         for k in found:
             typer.echo(k)
+        for k in parts:
+            typer.echo(f"{k}\torphaned part (no payload; `ardit store gc` removes it)")
+
+
+@app.command()
+def gc(
+    url: str = typer.Argument(..., help="store URL"),
+    older_than: str = typer.Option(
+        "", help="remove payloads and orphaned parts put longer ago than this (6h, 30m, 90s; default: the "
+        "store's TTL: local 24h or ?ttl=, mooncake its pin_ttl)"),
+) -> None:
+    """Remove orphaned KV (killed runs never resumed): everything older than the TTL. Safe to run
+    any time, e.g. from cron; AR and DiT steps also do it when they start."""
+    from components.kvstore.base import StoreError, parse_duration
+
+    with _open(url) as s:
+        try:
+            age = parse_duration(older_than, "--older-than") if older_than else s.ttl_s
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        if age is None:
+            raise typer.BadParameter("this store keeps payloads until deleted (no TTL): give --older-than")
+        try:
+            typer.echo(f"expired {s.expire(age)} payload(s) older than {age:g} s from {s.url}")
+        except (StoreError, ValueError) as exc:
+            raise _fail(exc) from None
 
 
 @app.command()

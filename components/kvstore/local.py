@@ -39,10 +39,16 @@ _READ_CHUNK = 32 << 20
 _TMP = ".tmp-"
 
 
+# Payloads older than this are orphans (a killed run, never resumed): `expire` at every AR/DiT step
+# start and `ardit store gc` remove them. `local:///dir?ttl=12h` sets another.
+DEFAULT_TTL_S = 24 * 3600.0
+
+
 class LocalStore(KVStore):
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, ttl_s: float = DEFAULT_TTL_S):
         self.root = Path(root).expanduser().absolute()
         self.url = f"local://{self.root}"
+        self.ttl_s = ttl_s
         try:  # an embedded store exists once opened: an empty directory means "missing", not "down"
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -213,6 +219,13 @@ class LocalStore(KVStore):
             if k.startswith(prefix):
                 out.append(k)
         return sorted(out)
+
+    def orphaned_parts(self, prefix: str = "") -> list[str]:
+        """Temp files of puts that never finished (a killed writer), as paths under the root."""
+        if not self.root.is_dir():
+            return []
+        found = (p.relative_to(self.root).as_posix() for p in self.root.rglob(_TMP + "*") if p.is_file())
+        return sorted(k for k in found if k.startswith(prefix))
 
     def health(self) -> Health:
         if not self.root.is_dir():

@@ -37,6 +37,7 @@ import secrets
 import socket
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -282,6 +283,7 @@ class MooncakeStore(KVStore):
         self._seq = self._executor(1)  # get groups, one after another
         self._failed_at = 0.0
         self._failure = ""
+        self._connect_lock = threading.Lock()
         self.last: dict[
             str, float
         ] = {}  # seconds spent in the phases of the last put/get
@@ -293,6 +295,10 @@ class MooncakeStore(KVStore):
     # ------------------------------------------------------------ connection
 
     def _connect(self) -> Any:
+        with self._connect_lock:  # the DiT step's get and delete threads may both be first
+            return self._connect_once()
+
+    def _connect_once(self) -> Any:
         if self._ms is not None:
             return self._ms
         # don't re-probe a dead store for every row: remember the failure for a few seconds
@@ -718,6 +724,12 @@ class MooncakeStore(KVStore):
         return sorted(
             k for k in self._all_keys() if "#" not in k and k.startswith(prefix)
         )
+
+    def orphaned_parts(self, prefix: str = "") -> list[str]:
+        """Part objects (`KEY#tag.i`) whose header `KEY` is gone: a put that never finished."""
+        found = self._all_keys()
+        headers = {k for k in found if "#" not in k}
+        return sorted(k for k in found if "#" in k and k.rpartition("#")[0] not in headers and k.startswith(prefix))
 
     def raw_keys(self) -> list[str]:
         """All objects including parts (tests: nothing of ours may remain)."""
