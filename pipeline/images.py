@@ -70,7 +70,7 @@ IMAGES = {
         name="ardit-tools",
         requirements="images/requirements-tools.txt",
         steps=("components.shard", "components.summary"),
-        helpers=("pipeline.launch", "pipeline.probes"),
+        helpers=("pipeline.launch", "pipeline.probes", "components.kvstore.cli"),
         binaries=("mooncake_master", "mooncake_client", "mooncake_http_metadata_server"),
         provides={"mooncake": ("mooncake-transfer-engine-non-cuda",)},
     ),

@@ -215,13 +215,16 @@ def test_rendered_dev_overlay_and_compiled_kfp_run_only_built_images_that_cover_
                 if c["image"] == refs["tools_image"]:
                     binary = c["command"][0]  # the Mooncake servers
                     assert binary in IMAGES["tools"].binaries, f"{name}: {binary} not checked in the tools image"
+        elif d["kind"] == "CronJob":
+            for c in d["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]:
+                checked[name] = _check_coverage(c["image"], c["command"], refs, name)
         elif d["kind"] in ("WorkflowTemplate", "CronWorkflow"):
             for t in d["spec"].get("workflowSpec", d["spec"])["templates"]:
                 if "container" in t:
                     c = t["container"]
                     checked[f"{name}/{t['name']}"] = _check_coverage(c["image"], c["command"], refs, name)
     assert {"WorkflowTemplate/ardit-accuracy-sweep/sweep", "WorkflowTemplate/ardit-batch-edit/dit-weights",
-            "CronWorkflow/ardit-generate-dataset-cron/ar"} <= set(checked)
+            "CronWorkflow/ardit-generate-dataset-cron/ar", "CronJob/ardit-kv-gc"} <= set(checked)
 
     kfp_dir = tmp_path / "kfp"
     settings = ClusterSettings().with_images(read_kustomize_images(manifests / "images" / "kustomization.yaml"))

@@ -48,6 +48,8 @@ def pod_specs(docs: list[dict]) -> dict[str, dict]:
         name = f"{d['kind']}/{d['metadata']['name']}"
         if d["kind"] in ("Deployment", "StatefulSet"):
             pods[name] = d["spec"]["template"]["spec"]
+        elif d["kind"] == "CronJob":
+            pods[name] = d["spec"]["jobTemplate"]["spec"]["template"]["spec"]
         elif d["kind"] in ("WorkflowTemplate", "CronWorkflow"):
             wf = d["spec"].get("workflowSpec", d["spec"])
             for t in wf["templates"]:
@@ -132,7 +134,7 @@ def test_restricted_checker_catches_violations():
 def test_every_pod_meets_the_restricted_pod_security_standard(dev):
     pods = pod_specs(dev)
     kinds = {name.split("/")[0] for name in pods}
-    assert kinds == {"Deployment", "StatefulSet", "WorkflowTemplate", "CronWorkflow"}
+    assert kinds == {"Deployment", "StatefulSet", "CronJob", "WorkflowTemplate", "CronWorkflow"}
     assert len(pods) > 20
     problems = {name: v for name, pod in pods.items() if (v := restricted_violations(pod))}
     assert problems == {}
@@ -222,6 +224,21 @@ def test_endpoints_drive_both_the_steps_store_url_and_the_holders(dev):
     assert holder["envFrom"] == [{"configMapRef": {"name": "ardit-endpoints"}}]
     assert {"-protocol=$(MC_PROTOCOL)", "-device_names=$(MC_DEVICE)", "-master_server_address=$(MC_MASTER_ADDR)",
             "-metadata_server=$(MC_METADATA_SERVER)"} <= set(holder["command"])
+
+
+def test_kv_gc_cronjob_expires_orphans_of_the_steps_store(dev):
+    """Orphaned KV expires hourly without a later job: the CronJob runs `ardit store gc` on the
+    store URL the steps use, from a pod the NetworkPolicy admits to Mooncake."""
+    job = _by(dev, "CronJob")["ardit-kv-gc"]["spec"]
+    assert job["concurrencyPolicy"] == "Forbid"
+    pod = job["jobTemplate"]["spec"]["template"]
+    assert pod["metadata"]["labels"] == dict([KV_CLIENT_LABEL])
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == ["python", "-m", "components.kvstore.cli", "gc"] and c["args"] == [KV_STORE_FROM_CONFIGMAP]
+    assert c["envFrom"] == [{"configMapRef": {"name": "ardit-endpoints"}}]
+    from components.kvstore.cli import app
+
+    assert "gc" in {cmd.name or cmd.callback.__name__ for cmd in app.registered_commands}
 
 
 def test_segment_holders_request_their_segment_size(dev):

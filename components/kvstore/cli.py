@@ -155,3 +155,7 @@ def clean(
                 )
         except (StoreError, ValueError) as exc:
             raise _fail(exc) from None
+
+
+if __name__ == "__main__":  # `python -m components.kvstore.cli gc URL`: the cluster's ardit-kv-gc CronJob
+    app()
