@@ -215,6 +215,7 @@ def _spec(s: ClusterSettings, deadline: int) -> dict[str, Any]:
                                                  run_as_group=RUN_AS_USER, fs_group=RUN_AS_USER,
                                                  seccomp_profile=m.SeccompProfile(type="RuntimeDefault")),
         "active_deadline_seconds": deadline,
+        "image_pull_secrets": [m.LocalObjectReference(name=n) for n in s.image_pull_secrets] or None,
     }
 
 

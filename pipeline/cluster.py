@@ -243,6 +243,9 @@ class ClusterSettings:
     dit_pool: Pool = Pool(cpu="8", memory="64Gi", gpu=True, node_selector={"ardit.io/pool": "dit"},
                           tolerations=_GPU_TAINT)
     tools_pool: Pool = Pool(cpu="1", memory="4Gi")
+    # Secrets (type kubernetes.io/dockerconfigjson) for a private registry, on every pod of both
+    # engines; empty: images are public or the nodes can pull them already.
+    image_pull_secrets: tuple[str, ...] = ()
     s3_secret: str = "ardit-s3"
     endpoints_config_map: str = "ardit-endpoints"
     sweep_pvc: str = "ardit-sweeps"
@@ -308,6 +311,8 @@ class ClusterSettings:
             if "never" in retry:
                 retry["never"] = tuple(retry["never"])
             raw["retry"] = RetryPolicy(**retry)
+        if "image_pull_secrets" in raw:
+            raw["image_pull_secrets"] = tuple(raw["image_pull_secrets"])
         if "step_deadline_seconds" in raw:
             raw["step_deadline_seconds"] = _default_deadlines() | dict(raw["step_deadline_seconds"])
         return cls(**{k: v for k, v in raw.items()})

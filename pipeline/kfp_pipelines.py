@@ -136,6 +136,8 @@ def _place(task: Any, step: str | None, s: ClusterSettings, *, weights_pvc: Any 
     for t in pool.tolerations:
         kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
     kubernetes.set_security_context(task, run_as_user=RUN_AS_USER, run_as_group=RUN_AS_USER, run_as_non_root=True)
+    if s.image_pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(s.image_pull_secrets))
     # A cached "success" would skip writes that a fresh run needs.
     task.set_caching_options(False)
     if step is None:

@@ -169,6 +169,35 @@ def test_kfp_pools_follow_settings(tmp_path):
     assert [t["iteratorPolicy"]["parallelismLimit"] for t in loops] == [7, 7]
 
 
+def test_image_pull_secrets_reach_every_pod_of_both_engines(tmp_path, kfp_dir):
+    """A private registry: the settings' pull secrets on every KFP task and every Argo workflow
+    (the Argo pods of the default settings carry none: nothing to create for a public registry)."""
+    from pipeline.argo import render_all
+    from pipeline.kfp_pipelines import compile_pipelines
+
+    s = ClusterSettings(image_pull_secrets=("regcred",))
+    compile_pipelines(str(tmp_path), s)
+    for path in tmp_path.glob("*.yaml"):
+        _, k8s = _kfp_docs(path)
+        assert k8s and all([p["secretName"] for p in ex["imagePullSecret"]] == ["regcred"] for ex in k8s.values()), path
+    for path in kfp_dir.glob("*.yaml"):
+        assert all("imagePullSecret" not in ex for ex in _kfp_docs(path)[1].values())
+    for name, text in render_all(s).items():
+        doc = yaml.safe_load(text)["spec"]
+        assert doc.get("workflowSpec", doc)["imagePullSecrets"] == [{"name": "regcred"}], name
+    for name, text in render_all().items():
+        doc = yaml.safe_load(text)["spec"]
+        assert "imagePullSecrets" not in doc.get("workflowSpec", doc), name
+    assert ClusterSettings.from_yaml(_yaml(tmp_path, "image_pull_secrets: [regcred]\n")).image_pull_secrets == (
+        "regcred",)
+
+
+def _yaml(tmp_path, text: str):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    return path
+
+
 def test_kfp_accuracy_sweep(kfp_dir):
     from pipeline.cluster import SWEEP_OUTPUT
 
