@@ -224,7 +224,25 @@ def test_rendered_dev_overlay_and_compiled_kfp_run_only_built_images_that_cover_
                     c = t["container"]
                     checked[f"{name}/{t['name']}"] = _check_coverage(c["image"], c["command"], refs, name)
     assert {"WorkflowTemplate/ardit-accuracy-sweep/sweep", "WorkflowTemplate/ardit-batch-edit/dit-weights",
-            "CronWorkflow/ardit-generate-dataset-cron/ar", "CronJob/ardit-kv-gc"} <= set(checked)
+            "CronJob/ardit-kv-gc"} <= set(checked)
+    # the cron is created from its own render (docs/deploy.md section 8), images pinned by --images
+    from pipeline.argo import cron_workflow
+
+    cron = yaml.safe_load(cron_workflow(ClusterSettings().with_images(
+        read_kustomize_images(manifests / "images" / "kustomization.yaml"))).to_yaml())
+    for t in cron["spec"]["workflowSpec"]["templates"]:
+        if "container" in t:
+            c = t["container"]
+            checked[f"CronWorkflow/ardit-generate-dataset-cron/{t['name']}"] = _check_coverage(
+                c["image"], c["command"], refs, "cron")
+    assert "CronWorkflow/ardit-generate-dataset-cron/ar" in checked
+    weights = subprocess.run([KUBECTL, "kustomize", str(manifests / "weights")], capture_output=True, text=True,
+                             check=True)
+    for d in yaml.safe_load_all(weights.stdout):
+        if d and d["kind"] == "Job":  # the download runs in the tools image, which has huggingface_hub
+            (c,) = d["spec"]["template"]["spec"]["containers"]
+            assert c["image"] == refs["tools_image"] and "huggingface_hub" in c["args"][0]
+            assert "huggingface-hub" in (REPO / IMAGES["tools"].requirements).read_text()
 
     kfp_dir = tmp_path / "kfp"
     settings = ClusterSettings().with_images(read_kustomize_images(manifests / "images" / "kustomization.yaml"))
@@ -250,3 +268,28 @@ def test_vendored_copies_do_not_shadow_installed_distributions():
         assert images._installed()["importlib-metadata"].version == importlib.metadata.version("importlib_metadata")
     finally:
         images._installed.cache_clear()
+
+
+def test_images_pinned_by_digest_reach_the_manifests_and_kfp(tmp_path):
+    """docs/deploy.md section 1: the images component with kustomize's `digest:` field pins every
+    rendered manifest and the KFP references (--images) to name@sha256:..., the documented check."""
+    from pipeline.cluster import ClusterSettings, read_kustomize_images
+
+    manifests = tmp_path / "manifests"
+    shutil.copytree(REPO / "manifests", manifests)
+    path = manifests / "images" / "kustomization.yaml"
+    doc = yaml.safe_load(path.read_text())
+    digests = {e["name"]: "sha256:" + f"{i + 1:x}" * 64 for i, e in enumerate(doc["images"])}
+    for entry in doc["images"]:
+        entry.pop("newTag")
+        entry["digest"] = digests[entry["name"]]
+    path.write_text(yaml.safe_dump(doc))
+    refs = read_kustomize_images(path)
+    assert all(refs[n].endswith("@" + d) for n, d in digests.items())
+    done = subprocess.run([KUBECTL, "kustomize", str(manifests / "overlays" / "dev")], capture_output=True, text=True,
+                          check=True)
+    images = set(re.findall(r"^\s+image: (\S+)$", done.stdout, re.M))
+    assert images - THIRD_PARTY_IMAGES == set(refs.values())  # the check in the docs: nothing else left
+    s = ClusterSettings().with_images(refs)
+    assert (s.gpu_image, s.tools_image) == (refs["ardit-gpu"], refs["ardit-tools"])
+    assert "digest: sha256:" in (REPO / "docs" / "deploy.md").read_text()

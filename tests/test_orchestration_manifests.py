@@ -50,6 +50,8 @@ def pod_specs(docs: list[dict]) -> dict[str, dict]:
             pods[name] = d["spec"]["template"]["spec"]
         elif d["kind"] == "CronJob":
             pods[name] = d["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        elif d["kind"] == "Job":
+            pods[name] = d["spec"]["template"]["spec"]
         elif d["kind"] in ("WorkflowTemplate", "CronWorkflow"):
             wf = d["spec"].get("workflowSpec", d["spec"])
             for t in wf["templates"]:
@@ -134,7 +136,7 @@ def test_restricted_checker_catches_violations():
 def test_every_pod_meets_the_restricted_pod_security_standard(dev):
     pods = pod_specs(dev)
     kinds = {name.split("/")[0] for name in pods}
-    assert kinds == {"Deployment", "StatefulSet", "CronJob", "WorkflowTemplate", "CronWorkflow"}
+    assert kinds == {"Deployment", "StatefulSet", "CronJob", "Job", "WorkflowTemplate"}
     assert len(pods) > 20
     problems = {name: v for name, pod in pods.items() if (v := restricted_violations(pod))}
     assert problems == {}
@@ -268,4 +270,62 @@ def test_every_object_file_is_used_by_a_kustomization():
             used.add((kfile.parent / entry).resolve())
     for path in MANIFESTS.rglob("*.yaml"):
         if path.name != "kustomization.yaml":
-            assert path.resolve() in used or path.name.endswith(".example.yaml"), path
+            # the cron's render is created once with kubectl (docs/deploy.md section 8), not applied with -k
+            once = path.name == "ardit-generate-dataset-cron.yaml"
+            assert path.resolve() in used or path.name.endswith(".example.yaml") or once, path
+
+
+def test_reapplying_the_kustomization_leaves_the_cron_alone(dev):
+    """`kubectl apply -k` again must not re-suspend a resumed cron or put its parameters (the tiny
+    model) back: the cron is not part of what -k applies; docs/deploy.md creates it once."""
+    assert _by(dev, "CronWorkflow") == {} and _by(kustomize(MANIFESTS / "base"), "CronWorkflow") == {}
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    assert "kubectl -n ardit create -f build/argo/ardit-generate-dataset-cron.yaml" in docs
+    assert "kubectl -n ardit patch cronworkflow ardit-generate-dataset-cron" in docs
+
+
+@pytest.fixture(scope="module")
+def kfp_ns() -> list[dict]:
+    return kustomize(MANIFESTS / "kfp")
+
+
+@pytest.fixture(scope="module")
+def weights() -> list[dict]:
+    return kustomize(MANIFESTS / "weights")
+
+
+def test_kfp_namespace_gets_the_sweeps_volume_and_a_writable_root(kfp_ns):
+    """KFP pods cannot set fsGroup: the init Job gives the fresh sweeps PVC to uid/gid 10001 and
+    checks it can write there; the PVC is the one the compiled KFP sweep mounts."""
+    from pipeline.cluster import RUN_AS_USER, SWEEP_OUTPUT, ClusterSettings
+
+    assert {d["kind"] for d in kfp_ns} == {"PersistentVolumeClaim", "Job"}
+    assert {d["metadata"]["namespace"] for d in kfp_ns} == {"kubeflow"}
+    assert set(_by(kfp_ns, "PersistentVolumeClaim")) == {ClusterSettings().sweep_pvc}
+    pod = _by(kfp_ns, "Job")["ardit-sweeps-init"]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["fsGroup"] == RUN_AS_USER == pod["securityContext"]["runAsUser"]
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == ClusterSettings().sweep_pvc
+    (c,) = pod["containers"]
+    assert c["volumeMounts"][0]["mountPath"] == SWEEP_OUTPUT and SWEEP_OUTPUT + "/" in c["args"][0]
+    assert "registry.example.com/ml/ardit-tools" in c["image"]  # pinned by the images component
+    assert restricted_violations(pod) == []
+
+
+def test_weights_job_takes_an_optional_token_and_has_resources(weights):
+    import kubernetes_validate
+
+    assert {d["kind"] for d in weights} == {"PersistentVolumeClaim", "Job"}
+    assert all("namespace" not in d["metadata"] for d in weights)  # applied with -n into each namespace
+    pvc = _by(weights, "PersistentVolumeClaim")["hunyuan-image-3"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    pod = _by(weights, "Job")["fetch-hunyuan-image-3"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN", "optional": True}
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "hunyuan-image-3"
+    assert restricted_violations(pod) == []
+    for d in weights:
+        kubernetes_validate.validate(d, "1.30.0", strict=True)
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    assert "weights_pvc=hunyuan-image-3" in docs and "apply -k manifests/weights" in docs
