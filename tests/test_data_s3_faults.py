@@ -315,6 +315,20 @@ def test_image_uri_read_retries_transient_failures_and_fails_the_step_if_they_pe
     assert layout.read_json(layout.manifest_key) is None  # nothing committed
 
 
+def test_summary_step_s3_outage_exits_1_not_2(s3_prefix, s3_env) -> None:
+    """The summary step, too: an S3 outage is retried by the orchestrator (exit 1), not final (2)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with FlakyS3Proxy(s3_env.endpoint, always=lambda method, path: True) as proxy:
+        env = dict(os.environ, ARDIT_S3_ENDPOINT=proxy.url, ARDIT_S3_MAX_ATTEMPTS="2")
+        proc = subprocess.run([sys.executable, "-m", "components.summary", "--output", f"{s3_prefix}/out",
+                               "--run-id", "r1"], cwd=Path(__file__).resolve().parents[1], env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "503" in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+
+
 def test_refused_credentials_name_the_credentials(s3_prefix, monkeypatch) -> None:
     from components.errors import ConfigError
     from components.preflight import check_output

@@ -22,13 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         import json
 
-        from components.data.objectstore import ObjectStoreError
+        from components.data.objectstore import ObjectStoreError, TransientStorageError
         from components.errors import ConfigError
 
         from .run import run
 
         try:
             summary = run(args.output, args.run_id)
+        except TransientStorageError:
+            raise  # may pass (S3 5xx, timeout): exit 1, so the orchestrator retries
         except (FileNotFoundError, ObjectStoreError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
         brief = {k: summary[k] for k in ("run_id", "rows_total", "rows_ok", "rows_failed", "rows_pending",
