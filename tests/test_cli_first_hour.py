@@ -225,3 +225,14 @@ def test_store_up_without_the_mooncake_extra(capfd, tmp_path, monkeypatch):
     code, stdout, err = ardit(capfd, "store", "up", "--state-dir", str(tmp_path / "state"))
     one_line_error(code, err, "ardit store up", "pip install 'ardit[mooncake]'")
     assert not (tmp_path / "state").exists()  # nothing started, nothing written
+
+
+def test_an_unsupported_size_lists_the_supported_ones():
+    from components.data.datasets import validate_rows
+    from components.steps import model_validators
+
+    _, is_supported_size, _ = model_validators("tiny")
+    _, errors = validate_rows([{"id": "a", "prompt": "a fox", "size": "123x77"}], "generate",
+                              is_supported_size=is_supported_size)
+    assert errors[0].error.startswith("size '123x77' is not supported (use auto or one of ")
+    assert "256x256" in errors[0].error and ";" not in errors[0].error  # tiny's square bucket; one problem
