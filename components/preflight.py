@@ -3,20 +3,26 @@
 Everything a run depends on is checked up front and reported in one line (what, where, how to
 fix) as a ConfigError, which every CLI turns into exit code 2. Storage errors that may pass (S3
 5xx, timeouts, an unreachable endpoint) are not configuration errors: they propagate (exit 1), so
-workflow engines retry them:
+workflow engines retry them. The cheap checks come first, before torch or the engine is imported
+(a mistake there is answered in about a second):
 
     options          numbers in range, choices (steps >= 1, guidance >= 0, bot_task, dtype, ...)
-    device           cuda present when asked for; "gpu" suggests "cuda"
-    model            preset / checkpoint directory / HF repo id resolvable, tokenizer loadable
-    dataset          reachable, Parquet, with the columns of its kind
+    dataset          reachable, Parquet, with the columns of its kind, at least one row
     output           writable (S3: bucket exists, credentials work, a probe object can be written)
-    KV store         URL valid, optional extra installed, servers answer (mooncake: connect)
+    KV store URL     parses; the embedded store's directory can be created
+    device           cuda asked for: the machine shows an NVIDIA GPU
+then, with the engine's code:
+    model            preset / checkpoint directory / HF repo id resolvable, tokenizer loadable, weights
+                     present (the index's shards too) unless --dummy-weights
     run              a resumed run id belongs to this dataset and these settings
+    device, KV store torch sees the GPU; the KV store's servers answer (mooncake: connect)
+
+Nothing is created by the checks: the output directory appears once they all passed.
 """
 
 from __future__ import annotations
 
-import uuid
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,9 @@ def check_dataset(dataset: str, kind: str):
         raise ConfigError(f"dataset {dataset}: {exc}") from None
     except ImportError as exc:
         raise (missing_extra(exc, f"dataset {dataset}") or exc) from None
+    if source.num_rows == 0:
+        raise ConfigError(f"dataset {dataset}: has no rows ({len(source.files)} Parquet file(s), 0 rows); "
+                          "point it at a dataset with at least one row")
     return source
 
 
@@ -63,17 +72,51 @@ def check_output(output: str) -> None:
         except ImportError as exc:
             raise (missing_extra(exc, f"--output {output}") or exc) from None
         return
-    root = Path(store.root)
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"--output {output}: is a file, not a directory")
-    probe = root / f".ardit-write-probe-{uuid.uuid4().hex[:8]}"
+    check_creatable_dir(Path(store.root), f"--output {output}")
+
+
+def check_creatable_dir(path: Path, what: str) -> None:
+    """`path` is a writable directory, or one that can be created; nothing is created."""
+    path = path.expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what}: {'it' if existing == path else existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}: cannot write there ({existing} is not writable); choose a directory you "
+                          "can write")
+
+
+def check_kv_url(url: str) -> None:
+    """The KV store URL parses, and the embedded store's directory can be created (cheap: its
+    servers, if any, are asked by check_kv_store)."""
+    from components.kvstore.factory import local_path
+
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"--output {output}: cannot write there ({exc.strerror or exc}); "
-                          "choose a directory you can write") from None
+        path = local_path(url)
+    except ValueError as exc:
+        raise ConfigError(f"--kv-store: {exc}") from None
+    if path is not None:
+        check_creatable_dir(Path(path), f"--kv-store {url}")
+
+
+def check_weights(model: str, weights: str | None, dummy_weights: bool) -> None:
+    """A checkpoint's safetensors are there (every shard its index names) unless random weights
+    were asked for: a download without its weights fails here, not after the run started."""
+    from components.engine.weights import CheckpointError, checkpoint_files
+    from components.steps import resolve_model
+
+    ref = resolve_model(model)
+    if dummy_weights or (ref.kind == "preset" and weights is None):
+        return
+    directory = Path(weights).expanduser() if weights else ref.path
+    option = f"--weights {weights}" if weights else f"--model {model}"
+    try:
+        checkpoint_files(directory)
+    except CheckpointError as exc:
+        raise ConfigError(f"{option}: {exc}; download the weights (e.g. hf download REPO), or pass "
+                          "--dummy-weights for seeded random ones") from None
 
 
 def check_kv_store(url: str) -> None:
@@ -106,6 +149,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     from components.shard.run import check_existing, shard_identity
     from components.steps import (
         KINDS,
+        check_cuda_present,
         check_engine_options,
         default_kv_store,
         model_validators,
@@ -127,18 +171,26 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
         raise ConfigError(f"--output {output}: {exc}") from None
     if weights is not None and not Path(weights).expanduser().is_dir():
         raise ConfigError(f"--weights {weights}: no such directory")
+    # cheap checks: no torch, no engine yet
+    source = check_dataset(dataset, kind)
+    check_output(output)
+    kv_url = None if not kv_reuse or ar_from_run else kv_store or default_kv_store(output, run_id)
+    if kv_url is not None:
+        check_kv_url(kv_url)
+    check_cuda_present(device)
+    # the model: its config, tokenizer and weights files
     gen = resolve_generation(model, greedy=greedy, **generation)  # also resolves the model
     validators = model_validators(model)  # its tokenizer and resolution buckets load
-    check_output(output)
+    check_weights(model, weights, dummy_weights)
     ar = ({"ar_from_run": ar_from_run} if ar_from_run else
           ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, batch_invariant))
     dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache)
     layout.check_settings("ar", ar)  # a resumed run: same settings, or a clear refusal
     layout.check_settings("dit", dit)
-    source = check_dataset(dataset, kind)
-    check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
+    manifest = check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
+    finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
     device = resolve_device(device)
-    if kv_reuse and not ar_from_run:
-        check_kv_store(kv_store or default_kv_store(output, run_id))
+    if kv_url is not None and not finished and kv_url.startswith("mooncake://"):
+        check_kv_store(kv_url)  # its servers answer (an embedded store was checked above)
     return {"device": device, "generation": gen, "validators": validators, "settings": {"ar": ar, "dit": dit},
-            "layout": layout}
+            "layout": layout, "finished": finished}

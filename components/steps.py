@@ -94,6 +94,8 @@ def load_engine(model: str, weights: str | None, device: str, dtype: str | None,
         if key not in _rank_engines:
             from components.engine import Engine
 
+            if parallel.is_first:
+                announce_load(model, weights, dummy_weights, quantization, tensor_parallel_size)
             _rank_engines.clear()  # one engine per rank process: a new model replaces the old one
             _rank_engines[key] = Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed,
                                              parallel=parallel,
@@ -110,8 +112,36 @@ def _cached_engine(model: str, weights: str | None, device: str, dtype: str | No
                    dummy_weights: bool, tensor_parallel_size: int, quantization: str | None):
     from components.engine import Engine
 
+    announce_load(model, weights, dummy_weights, quantization, tensor_parallel_size)
     return Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed,
                        **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization))
+
+
+def announce_load(model: str, weights: str | None, dummy_weights: bool, quantization: str | None,
+                  tensor_parallel_size: int = 1) -> None:
+    """One line before the engine loads (a real checkpoint takes minutes): which model, how big,
+    from where."""
+    print(f"loading model {describe_load(model, weights, dummy_weights, quantization, tensor_parallel_size)} …",
+          file=sys.stderr, flush=True)
+
+
+def describe_load(model: str, weights: str | None, dummy_weights: bool, quantization: str | None = None,
+                  tensor_parallel_size: int = 1) -> str:
+    """'NAME (SIZE, from WHERE)': the checkpoint's safetensors bytes and directory, or the preset
+    and its seeded random weights."""
+    ref = resolve_model(model)
+    extras = ([f"quantized to {quantization} at load"] if quantization else []) + \
+        ([f"{tensor_parallel_size} GPUs"] if tensor_parallel_size > 1 else [])
+    directory = Path(weights).expanduser() if weights else ref.path
+    if directory is None or dummy_weights:
+        config = f", config from {ref.path}" if ref.path is not None else ""
+        size = "tiny test size" if ref.name == "tiny" else "80B full size"
+        return f"{ref.name} ({', '.join([size, *extras])}, from seeded random weights{config}: nothing read)"
+    from components.engine.weights import checkpoint_files
+
+    files = checkpoint_files(directory)
+    size = f"{sum(f.stat().st_size for f in files) / 1e9:.1f} GB in {len(files)} safetensors file(s)"
+    return f"{ref.name} ({', '.join([size, *extras])}, from {directory})"
 
 
 def describe_model(model: str) -> tuple[ModelRef, Any, Any, Any]:
@@ -133,15 +163,16 @@ def describe_model(model: str) -> tuple[ModelRef, Any, Any, Any]:
 
 def model_validators(model: str) -> tuple[Callable[[str], int], Callable[[int, int], bool], int]:
     """(count_tokens, is_supported_size, max_prompt_tokens) for a model, without loading weights."""
+    from components.data.datasets import SizeRule
     from components.engine.sequence import ResolutionGroup
 
     ref, config, tokenizer, _ = describe_model(model)
     max_tokens = MAX_PROMPT_TOKENS.get(ref.name, MAX_PROMPT_TOKENS["hunyuan-image-3"]) if ref.kind == "preset" \
         else MAX_PROMPT_TOKENS["hunyuan-image-3"]
     buckets = ResolutionGroup(config.image_base_size)
-    return (lambda text: len(tokenizer.encode(text)),
-            lambda w, h: buckets.index_of(w, h) is not None,
-            max_tokens)
+    sizes = SizeRule(lambda w, h: buckets.index_of(w, h) is not None,
+                     ", ".join(f"{r.width}x{r.height}" for r in buckets.data))
+    return (lambda text: len(tokenizer.encode(text)), sizes, max_tokens)
 
 
 # ----------------------------------------------------------------------------- generation config
@@ -248,6 +279,19 @@ def check_device_name(device: str) -> None:
         return
     hint = " (did you mean cuda?)" if device.lower() in ("gpu", "nvidia", "cuda0") else ""
     raise _bad("--device", device, f"must be auto, cpu, cuda or cuda:N{hint}")
+
+
+def check_cuda_present(device: str) -> None:
+    """A cuda device asked for on a machine that shows no NVIDIA GPU: a ConfigError, found without
+    importing torch or initialising CUDA (resolve_device asks torch later)."""
+    check_device_name(device)
+    if not device.startswith("cuda"):
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = visible is not None and visible.strip() in ("", "-1")
+    if hidden or not (Path("/dev/nvidiactl").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*"))):
+        why = f"CUDA_VISIBLE_DEVICES={visible!r}" if hidden else "no NVIDIA driver device in /dev"
+        raise ConfigError(f"--device {device}: no CUDA GPU is visible ({why}); use --device cpu or auto")
 
 
 def resolve_device(device: str) -> str:

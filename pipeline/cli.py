@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -93,11 +94,24 @@ BatchInvariant = Annotated[bool, typer.Option(
 
 
 def _resume_command(run_id: str | None) -> str:
-    """This very command line, with --run-id RUN if it had none (and without --debug)."""
+    """This very command line, with --run-id RUN if it had none (and without --debug), starting
+    the way this process was started so that it runs when pasted."""
     args = [a for a in sys.argv[1:] if a != "--debug"]
     if run_id and not any(a == "--run-id" or a.startswith("--run-id=") for a in args):
         args += ["--run-id", run_id]
-    return shlex.join(["ardit", *args])
+    return shlex.join([*_invoked_as(), *args])
+
+
+def _invoked_as() -> list[str]:
+    """The command that started this process: `ardit` when the shell finds this very script under
+    that name, else its path as typed (`.venv/bin/ardit`), or `python -m pipeline.cli`."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) == "ardit":
+        found = shutil.which("ardit")
+        return ["ardit"] if found and os.path.samefile(found, argv0) else [argv0]
+    orig = getattr(sys, "orig_argv", [])
+    prefix = orig[:len(orig) - (len(sys.argv) - 1)]
+    return prefix if "-m" in prefix else ["ardit"]  # `python -m pipeline.cli`, as typed
 
 
 def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_run_id: bool = True,
@@ -119,6 +133,12 @@ def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_r
                 f"row(s) of the others" if st["sharded"] else "nothing was committed")
         typer.echo(f"interrupted: {done}; resume with: {resume}", err=True)
         raise typer.Exit(130) from None
+    if summary.get("nothing_to_do"):
+        failed = f", {summary['rows_failed']} of them failed" if summary.get("rows_failed") else ""
+        typer.echo(f"run {run_id}: nothing to do: all {summary.get('num_shards')} shard(s) are committed "
+                   f"({summary.get('rows_ok')} image(s){failed}); summary: {output.rstrip('/')}/{run_id}/"
+                   "summary.json")
+        raise typer.Exit(1 if summary.get("rows_failed") else 0)
     _print_summary(summary, output, run_id)
     if summary.get("rows_failed"):
         raise typer.Exit(1)

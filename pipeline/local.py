@@ -26,7 +26,8 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     Generation settings left None come from the model's generation config. Everything the job
     depends on is checked before any work (ConfigError, one line); resuming a run with other
     settings is refused (SettingsConflictError, a ConfigError). `on_start` is called once the
-    checks passed, before any work."""
+    checks passed, before any work. A run whose shards are all committed does no work and loads
+    nothing: its summary comes back with `nothing_to_do` set (and `on_start` is not called)."""
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
@@ -41,9 +42,11 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
                      quantization=quantization, kv_store=kv_store, kv_reuse=kv_reuse, device=device, dtype=dtype,
                      seed=seed, batch_size=batch_size, generation=generation, greedy=greedy,
                      ar_from_run=ar_from_run, step_cache=step_cache, batch_invariant=batch_invariant)
+    gen, layout = plan["generation"], plan["layout"]
+    if plan["finished"]:
+        return {**(layout.read_json(layout.summary_key) or run_summary(output, run_id)), "nothing_to_do": True}
     if on_start is not None:
         on_start()
-    gen, layout = plan["generation"], plan["layout"]
     count_tokens, is_supported_size, max_prompt_tokens = plan["validators"]
     t0 = time.perf_counter()
     manifest = run_shard(dataset, output, run_id, num_shards, kind, count_tokens=count_tokens,

@@ -511,10 +511,11 @@ def test_odd_row_ids_ctrl_c_and_resume_through_the_cli(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         started = proc.stdout.readline()  # "run RUN: generate DATASET -> OUT/RUN"
-        resume = proc.stdout.readline()  # "resume with: ardit ... --run-id RUN"
+        resume = proc.stdout.readline()  # "resume with: PYTHON -m pipeline.cli ... --run-id RUN" (as started)
         assert started.startswith("run generate-"), started + proc.stderr.read()
         run_id = started.split()[1].rstrip(":")
-        assert resume.startswith("resume with: ardit generate ") and resume.strip().endswith(f"--run-id {run_id}")
+        assert resume.startswith(f"resume with: {shlex.join(ardit)} generate ") and \
+            resume.strip().endswith(f"--run-id {run_id}")
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while not (out / run_id / "shards" / "0" / "_COMMITTED").exists():
             assert proc.poll() is None, proc.stderr.read()
@@ -531,7 +532,7 @@ def test_odd_row_ids_ctrl_c_and_resume_through_the_cli(tmp_path):
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("interrupted: committed 1 of 2 shard(s)") and resume.split(": ", 1)[1].strip() in last
 
-    resumed = subprocess.run([*ardit, *shlex.split(resume.split(": ", 1)[1])[1:]], cwd=ROOT, capture_output=True,
+    resumed = subprocess.run(shlex.split(resume.split(": ", 1)[1]), cwd=ROOT, capture_output=True,  # as printed
                              text=True, timeout=STEP_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     lines = resumed.stderr.splitlines()

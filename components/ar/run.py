@@ -80,8 +80,10 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         progress.skip(f"AR  shard {shard}", skipped)
         return {"shard": shard, "skipped": skipped}
 
+    t_load = time.perf_counter()
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
                          parallel)
+    load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
     store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
     sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
                               max_new_tokens=gen["max_new_tokens"])
@@ -114,6 +116,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         puts.wait()
         if owner:
             write_ar_rows(layout, shard, rows)
+            layout.write_json(layout.step_timing_key(shard, "ar"), {"load_s": round(load_s, 3)})
     except BaseException:
         puts.abandon()  # on the way out: payloads nobody will read are deleted now
         raise

@@ -140,6 +140,17 @@ def default_is_supported_size(width: int, height: int) -> bool:
     return all(64 <= v <= 4096 and v % 16 == 0 for v in (width, height))
 
 
+@dataclass(frozen=True)
+class SizeRule:
+    """An `is_supported_size(width, height)` that can say which sizes it takes (for error rows)."""
+
+    check: Callable[[int, int], bool]
+    supported: str  # e.g. "1024x1024, 1088x960, ..."
+
+    def __call__(self, width: int, height: int) -> bool:
+        return self.check(width, height)
+
+
 def utf8_bytes(text: str) -> int:
     """Default token counter: UTF-8 bytes (an upper bound for byte-level tokenizers)."""
     return len(text.encode("utf-8"))
@@ -406,7 +417,9 @@ class RowValidator:
         try:
             wh = parse_size(size)
             if wh is not None and not self.is_supported_size(*wh):
-                problems.append(f"size {size!r} is not supported")
+                supported = getattr(self.is_supported_size, "supported", None)
+                problems.append(f"size {size!r} is not supported" + (
+                    f" (use auto or one of {supported})" if supported else ""))
         except ValueError as exc:
             problems.append(str(exc))
         return size

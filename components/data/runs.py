@@ -187,6 +187,10 @@ class RunLayout:
     def rows_key(self, shard: int) -> str:
         return f"{self.shard_prefix(shard)}rows.parquet"
 
+    def step_timing_key(self, shard: int, step: str) -> str:
+        """What the shard's AR or DiT step measured outside the rows (its engine load)."""
+        return f"{self.shard_prefix(shard)}steps/{step}.json"
+
     def marker_key(self, shard: int) -> str:
         return f"{self.shard_prefix(shard)}{MARKER_NAME}"
 

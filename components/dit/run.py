@@ -73,8 +73,10 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     writer = layout.shard_writer(shard)
     pending = writer.pending()
     ar_rows = read_ar_rows(layout, shard)
+    t_load = time.perf_counter()
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
                          parallel)
+    load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
     kv_io = _KVReader(store, engine, kv_reuse, deletes=owner)
     out_io = _RowWriter(writer, layout, shard, save_latents, kv_io, enabled=owner)
@@ -105,6 +107,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             out_io.check()
             progress.advance(task, 1)
         out_io.drain()
+        if owner:
+            layout.write_json(layout.step_timing_key(shard, "dit"), {"load_s": round(load_s, 3)})
         marker = writer.commit() if owner else {}
         kv_io.forget(f"{run_id}/{shard}", prefix=True)
     finally:

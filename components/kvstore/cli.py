@@ -42,7 +42,14 @@ def up(
     state_dir: str | None = _STATE,
 ) -> None:
     """Start the servers in the background and print the store URL."""
+    from components.extras import MissingExtra, require_extra
     from components.kvstore import servers
+
+    try:
+        require_extra("mooncake", "ardit store up")  # its programs come with the wheel
+    except MissingExtra as exc:
+        typer.echo(f"ardit store: error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
     try:
         st = servers.up(state_dir, host=host, master_port=master_port, metadata_port=metadata_port,

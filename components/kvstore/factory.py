@@ -9,26 +9,43 @@ from components.kvstore.base import KVStore, parse_query
 
 def open_store(url: str | None = None) -> KVStore:
     """`local:///dir[?ttl=24h]` or a plain path -> LocalStore; `mooncake://HOST:PORT?...` -> MooncakeStore."""
-    if not url:
-        raise ValueError("store url is empty (use local:///path or mooncake://host:port?metadata=...)")
-    if url.startswith("mooncake://"):
+    path = local_path(url)
+    if path is None:
         from components.kvstore.mooncake import MooncakeStore  # lazy: needs the mooncake wheel
 
         return MooncakeStore.from_url(url)
+    from components.kvstore.local import LocalStore
+
+    ttl = local_ttl(url)
+    return LocalStore(path) if ttl is None else LocalStore(path, ttl)
+
+
+def local_path(url: str | None) -> str | None:
+    """The directory of an embedded (local) store URL, None for a mooncake:// URL; ValueError for
+    anything else. Opens nothing (the preflight checks a URL with it before any import of the engine)."""
+    if not url:
+        raise ValueError("store url is empty (use local:///path or mooncake://host:port?metadata=...)")
+    if url.startswith("mooncake://"):
+        return None
     if url.startswith("local://"):
         u, q = parse_query(url)
         if set(q) - {"ttl"}:
             raise ValueError(f"store url {url!r}: local:// takes only ttl (e.g. ?ttl=12h), got {sorted(q)}")
-        path = unquote(u.netloc + u.path)
         if "ttl" in q:
-            from components.kvstore.base import parse_duration
-            from components.kvstore.local import LocalStore
-
-            return LocalStore(path, parse_duration(q["ttl"], "local store ttl"))
-    elif "://" in url:
+            local_ttl(url)  # a bad duration is caught here too
+        return unquote(u.netloc + u.path)
+    if "://" in url:
         raise ValueError(f"store url {url!r}: unknown scheme (use local:// or mooncake://)")
-    else:
-        path = url
-    from components.kvstore.local import LocalStore
+    return url
 
-    return LocalStore(path)
+
+def local_ttl(url: str) -> float | None:
+    """The `?ttl=` of a local:// URL in seconds, None when not given."""
+    if not url.startswith("local://"):
+        return None
+    _, q = parse_query(url)
+    if "ttl" not in q:
+        return None
+    from components.kvstore.base import parse_duration
+
+    return parse_duration(q["ttl"], "local store ttl")

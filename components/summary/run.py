@@ -6,8 +6,11 @@ still running), "missing" (nothing written). Only committed shards are counted i
 the rows of the others are reported as `rows_pending`.
 
 Throughput: `images_per_minute` = ok images / wall time, where wall time runs from the manifest's
-creation (shard step) to the last commit. Time split (sums of the per-row columns, seconds):
-ar = ar_prefill_s + ar_decode_s, kv = kv_put_s + kv_get_s, dit = dit_total_s + vae_decode_s.
+creation (shard step) to the last commit. Time split (seconds): load = the engine loads of the
+AR and DiT steps (each step records its own, 0 when its process had the engine loaded already);
+sums of the per-row columns: ar = ar_prefill_s + ar_decode_s, kv = kv_put_s + kv_get_s,
+dit = dit_total_s + vae_decode_s; other = wall time minus those (sharding, image preparation, PNG
+and Parquet writes, commits), null when the parts exceed the wall time (shards run in parallel).
 
 KV wait: per shard, `kv_wait_s` is the time the DiT loop waited for KV payloads (what the
 prefetch did not hide) and `kv_wait_fraction` that time over the shard's DiT time (target < 2 %).
@@ -64,6 +67,7 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
     shards: list[dict[str, Any]] = []
     tables: list[pa.Table] = []
     pending = 0
+    load_s = 0.0
     for entry in manifest["shards"]:
         k = entry["shard"]
         status = _shard_status(layout, k)
@@ -78,6 +82,8 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
                         committed_at=marker.get("committed_at"), dit_s=dit_s, kv_wait_s=wait_s,
                         kv_wait_fraction=(wait_s / dit_s) if dit_s else None)
             tables.append(table.append_column("shard", pa.array([k] * table.num_rows, pa.int64())))
+            load_s += sum((layout.read_json(layout.step_timing_key(k, step)) or {}).get("load_s", 0.0)
+                          for step in ("ar", "dit"))
         else:
             pending += entry["rows"]
         shards.append(info)
@@ -93,9 +99,11 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
         wall_s = max(0.0, (max(map(datetime.fromisoformat, commits))
                            - datetime.fromisoformat(manifest["created"])).total_seconds())
 
-    time_split = {g: sum(_sum(rows, c) for c in cols) if rows is not None else 0.0
-                  for g, cols in TIME_GROUPS.items()}
-    total_time = sum(time_split.values())
+    time_split = {"load": load_s, **{g: sum(_sum(rows, c) for c in cols) if rows is not None else 0.0
+                                     for g, cols in TIME_GROUPS.items()}}
+    other = wall_s - sum(time_split.values()) if wall_s is not None else None
+    time_split["other"] = other if other is not None and other >= 0 else None
+    total_time = sum(v for v in time_split.values() if v is not None)
     errors = []
     if rows is not None:
         failed = rows.filter(pc.not_equal(rows.column("status"), "ok")).select(["shard", "id", "error"])
@@ -118,7 +126,8 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
         "wall_s": wall_s,
         "images_per_minute": (n_ok / wall_s * 60.0) if wall_s else None,
         "time_split_s": time_split,
-        "time_split_fraction": {g: (v / total_time if total_time else None) for g, v in time_split.items()},
+        "time_split_fraction": {g: (v / total_time if total_time and v is not None else None)
+                                for g, v in time_split.items()},
         "kv_paths": dict(Counter(ok_rows.column("kv_path").to_pylist())) if ok_rows is not None else {},
         "kv_reasons": (dict(Counter(r for r in ok_rows.column("kv_reason").to_pylist() if r is not None))
                        if ok_rows is not None else {}),

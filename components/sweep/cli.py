@@ -79,21 +79,29 @@ def make_app(job_runner: Callable[[], JobRunner]) -> typer.Typer:
     @app.command("report")
     def report(
         sweep_dir: Annotated[
-            Path, typer.Argument(help="a sweep directory ({output}/{sweep_id})", exists=True, file_okay=False)
+            Path, typer.Argument(help="a job run (OUT/RUN of `ardit edit|generate`) or a sweep directory "
+                                      "({output}/{sweep_id})", exists=True, file_okay=False)
         ],
-        out: Annotated[Path | None, typer.Option("--output", "-o", "--out", help="HTML file (default SWEEP_DIR/report.html)")] = None,
-        max_rows: Annotated[int, typer.Option(help="rows shown as image grids (worst first)")] = 24,
+        out: Annotated[Path | None, typer.Option("--output", "-o", "--out", help="HTML file (default DIR/report.html)")] = None,
+        max_rows: Annotated[int | None, typer.Option(
+            help="rows shown as image grids (sweep: worst first, default 24; job run: in order, default 60)")] = None,
     ) -> None:
-        """Write the self-contained HTML report of a finished sweep."""
+        """Write the self-contained HTML report of a job run (inputs, outputs, CoT, error rows, time) or
+        of a finished sweep."""
         try:
             with needs_extra("sweep", "ardit report"):
+                from components.report.job import is_job_run, write_job_report
                 from components.report.render import write_report
         except MissingExtra as exc:
             raise _fail(str(exc)) from None
         try:
-            path = write_report(sweep_dir, out, max_rows=max_rows)
+            if is_job_run(sweep_dir):
+                path = write_job_report(sweep_dir, out, max_rows=max_rows or 60)
+            else:
+                path = write_report(sweep_dir, out, max_rows=max_rows or 24)
         except FileNotFoundError as exc:
-            raise _fail(str(exc)) from None
+            raise _fail(f"{exc}; nor a job run (no inputs/manifest.json): pass OUT/RUN of `ardit edit|generate`"
+                        if not is_job_run(sweep_dir) else str(exc)) from None
         typer.echo(f"report: {path}")
 
     return app

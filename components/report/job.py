@@ -1,0 +1,267 @@
+"""The HTML report of one job run (`ardit report OUT/RUN`): what was asked and what came out.
+
+    header       run id, kind, dataset, model and settings (settings/{ar,dit}.json), ardit version
+    facts        rows ok / failed / pending, images per minute, wall time
+    plots        where the time went (summary.json's time_split_s) and seconds per image by row
+    errors       every error row with its reason
+    grid         per row: the input image and instruction (edit) or the prompt (generate), the
+                 output image and the CoT text
+
+Images are JPEG thumbnails inlined in the page, each linking to its full-size PNG (a relative link
+into the run directory), so the page stays small at any row count. No scripts, no network.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from PIL import Image
+
+from components.data.runs import RunLayout
+from components.report import plots
+
+THUMB_QUALITY = 82
+
+
+def is_job_run(path: str | Path) -> bool:
+    """A job run directory (OUT/RUN): it has the shard step's manifest."""
+    return (Path(path) / "inputs" / "manifest.json").is_file()
+
+
+def ardit_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ardit")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def jpeg_data_uri(image: Image.Image, max_side: int = plots.THUMB_MAX) -> str:
+    buf = io.BytesIO()
+    plots.thumbnail(image, max_side).save(buf, format="JPEG", quality=THUMB_QUALITY, optimize=True)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _thumb(data: bytes | None) -> str | None:
+    if not data:
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return jpeg_data_uri(im.convert("RGB"))
+    except Exception:  # noqa: BLE001 - an undecodable input is shown as missing (its row says why)
+        return None
+
+
+def _secs(v: Any) -> str:
+    return "–" if v is None else (f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s")
+
+
+def time_split_uri(split: dict[str, float | None]) -> str | None:
+    """Horizontal bars: seconds spent loading the engine, in the AR, KV, DiT steps and elsewhere."""
+    order = ["load", "ar", "kv", "dit", "other"]  # summary.json keeps its keys sorted
+    parts = [(k, split[k]) for k in sorted(split, key=lambda k: (order + [k]).index(k)) if split[k] is not None]
+    if not parts:
+        return None
+    fig, ax = plots.plt.subplots(figsize=(6.4, 0.5 + 0.42 * len(parts)), dpi=120)
+    plots._style(ax)
+    names = [k for k, _ in parts][::-1]
+    values = [v for _, v in parts][::-1]
+    bars = ax.barh(names, values, color=plots.INFO_COLOR, height=0.6)
+    total = sum(values) or 1.0
+    for bar, v in zip(bars, values):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:.1f} s ({v / total:.0%})",
+                va="center", fontsize=9, color="#24292f")
+    ax.set_xlim(0, max(values) * 1.35 or 1)
+    ax.set_xlabel("seconds (summary.json time_split_s)", fontsize=9, color="#24292f")
+    ax.tick_params(labelsize=9)
+    fig.tight_layout()
+    return plots._fig_uri(fig)
+
+
+def row_times_uri(rows: list[dict[str, Any]]) -> str | None:
+    """Seconds per image for every ok row, stacked AR / KV / DiT (the per-row throughput)."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return None
+    groups = {"AR": ("ar_prefill_s", "ar_decode_s"), "KV": ("kv_put_s", "kv_get_s"),
+              "DiT + VAE": ("dit_total_s", "vae_decode_s")}
+    colors = {"AR": plots.INFO_COLOR, "KV": "#bf8700", "DiT + VAE": plots.PASS_COLOR}
+    fig, ax = plots.plt.subplots(figsize=(6.4, 3.2), dpi=120)
+    plots._style(ax)
+    x = list(range(len(ok)))
+    bottom = [0.0] * len(ok)
+    for name, cols in groups.items():
+        values = [sum(r.get(c) or 0.0 for c in cols) for r in ok]
+        ax.bar(x, values, bottom=bottom, color=colors[name], label=name, width=0.75)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if len(ok) <= 24:
+        ax.set_xticks(x, [str(r["id"])[:14] for r in ok], rotation=45, ha="right", fontsize=8)
+    else:
+        ax.set_xlabel("rows, in dataset order", fontsize=9, color="#24292f")
+    ax.set_ylabel("seconds per image", fontsize=9, color="#24292f")
+    ax.legend(fontsize=8, frameon=False, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout()
+    return plots._fig_uri(fig)
+
+
+def build_job_context(run_dir: Path, report_path: Path, max_rows: int = 60) -> dict[str, Any]:
+    from components.summary.run import summarize
+
+    run_dir = run_dir.resolve()
+    layout = RunLayout.open(str(run_dir.parent), run_dir.name)
+    manifest = layout.manifest()
+    summary = layout.read_json(layout.summary_key) or summarize(layout)
+    settings = {step: layout.read_json(layout.settings_key(step)) or {} for step in ("ar", "dit")}
+    rows: list[dict[str, Any]] = []
+    for entry in manifest["shards"]:
+        k = entry["shard"]
+        if not layout.is_committed(k):
+            continue
+        inputs = {job.id: job for job in layout.read_inputs(k)}
+        for r in layout.read_rows(k).to_pylist():
+            rows.append({**r, "shard": k, "job": inputs.get(r["id"])})
+    cards = []
+    for r in rows[:max_rows]:
+        job = r["job"]
+        png = run_dir.parent / r["image_key"] if r.get("image_key") else None
+        output = None
+        if png is not None and png.is_file():
+            with Image.open(png) as im:
+                output = jpeg_data_uri(im.convert("RGB"))
+        cards.append({
+            "id": r["id"], "shard": r["shard"], "status": r["status"], "error": r.get("error") or "",
+            "text": (job.text if job else None) or "", "input": _thumb(job.image) if job else None,
+            "reference": _thumb(job.reference_image) if job else None, "output": output,
+            "href": Path(os.path.relpath(png, report_path.parent)).as_posix() if output else "",  # full PNG
+            "cot": r.get("cot_text") or "", "size": f"{r['width']}×{r['height']}" if r.get("width") else "",
+            "kv": " · ".join(x for x in (r.get("kv_path"), r.get("kv_reason")) if x),
+            "time": _secs(sum(r.get(c) or 0.0 for c in ("ar_prefill_s", "ar_decode_s", "kv_put_s", "kv_get_s",
+                                                        "dit_total_s", "vae_decode_s")) or None),
+        })
+    model = settings["dit"].get("model") or settings["ar"].get("model") or "–"
+    generation = {k: v for step in ("ar", "dit") for k, v in settings[step].items()
+                  if k not in ("model", "weights", "recorded_at") and v is not None}
+    return {
+        "run_id": layout.run_id, "kind": manifest.get("kind"), "dataset": manifest.get("dataset"), "model": model,
+        "generation": generation, "summary": summary, "version": ardit_version(),
+        "errors": [r for r in rows if r["status"] != "ok"], "cards": cards, "n_rows": len(rows),
+        "text_label": "instruction" if manifest.get("kind") == "edit" else "prompt",
+        "time_plot": time_split_uri(summary.get("time_split_s") or {}), "rows_plot": row_times_uri(rows),
+        "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run_dir": str(run_dir),
+    }
+
+
+def write_job_report(run_dir: str | Path, out: str | Path | None = None, *, max_rows: int = 60) -> Path:
+    """Write the job run's report (default OUT/RUN/report.html); returns its path."""
+    run_dir = Path(run_dir)
+    if not is_job_run(run_dir):
+        raise FileNotFoundError(f"{run_dir} is not a job run (no inputs/manifest.json): pass OUT/RUN of an "
+                                "`ardit edit|generate` run")
+    path = Path(out) if out else run_dir / "report.html"
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    html = env.from_string(TEMPLATE).render(**build_job_context(run_dir, path.absolute(), max_rows))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(html, encoding="utf-8")
+    return path
+
+
+TEMPLATE = r"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>ardit run · {{ run_id }} · {{ summary.rows_ok }}/{{ summary.rows_total }} ok</title>
+<link rel="icon" href="data:,">
+<style>
+body { margin: 0; background: #f3f5f8; color: #1f2328;
+  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, Arial, sans-serif; }
+main { max-width: 1400px; margin: 0 auto; padding: 28px 28px 60px; }
+.panel { background: #fff; border: 1px solid #d1d9e0; border-radius: 12px; padding: 16px 20px; margin-bottom: 18px; }
+h1 { margin: 0 0 4px; font-size: 22px; } h2 { font-size: 17px; margin: 28px 0 10px; }
+.sub { color: #59636e; font-size: 13px; }
+.facts { display: flex; flex-wrap: wrap; gap: 6px 22px; margin-top: 10px; font-size: 13px; }
+.bad { color: #cf222e; } .good { color: #1a7f37; }
+table { border-collapse: collapse; width: 100%; font-size: 13px; }
+th, td { padding: 6px 8px; border-bottom: 1px solid #e6eaef; text-align: left; vertical-align: top; }
+th { font-size: 12px; text-transform: uppercase; color: #59636e; background: #f6f8fa; }
+.plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(420px, 1fr)); gap: 16px; }
+.plots img { width: 100%; height: auto; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(420px, 1fr)); gap: 16px; }
+.card { background: #fff; border: 1px solid #d1d9e0; border-radius: 12px; padding: 12px 14px; }
+.card.error { border-color: #ffcecb; background: #fffafa; }
+.card .head { display: flex; justify-content: space-between; gap: 8px; font: 600 13px ui-monospace, Menlo, monospace; }
+.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 10px; margin: 8px 0; }
+.pair figure { margin: 0; } .pair img { width: 100%; height: auto; border-radius: 6px; background: #eee; display: block; }
+figcaption { font-size: 12px; color: #59636e; margin-top: 3px; }
+.missing { height: 120px; border-radius: 6px; background: #eff2f5; color: #59636e; font-size: 12px;
+  display: flex; align-items: center; justify-content: center; text-align: center; padding: 6px; }
+.text { font-size: 13px; margin: 6px 0; } .text b { color: #59636e; font-weight: 600; }
+.cot { font-size: 12px; color: #424a53; white-space: pre-wrap; max-height: 220px; overflow: auto;
+  background: #f6f8fa; border-radius: 6px; padding: 6px 8px; }
+.meta { font-size: 12px; color: #59636e; margin-top: 6px; }
+.reason { color: #82071e; font-size: 13px; }
+</style>
+</head>
+<body>
+<main>
+<div class="panel">
+  <h1>{{ run_id }} <span class="sub">{{ kind }} job run</span></h1>
+  <div class="sub">dataset {{ dataset }} · model {{ model }} · {{ run_dir }} · ardit {{ version }} · report {{ generated }}</div>
+  <div class="facts">
+    <span><b>{{ summary.rows_ok }}</b> of {{ summary.rows_total }} rows ok</span>
+    <span class="{{ 'bad' if summary.rows_failed else 'good' }}"><b>{{ summary.rows_failed }}</b> failed</span>
+    {% if summary.rows_pending %}<span><b>{{ summary.rows_pending }}</b> pending (shards not committed)</span>{% endif %}
+    <span>images/min <b>{{ summary.images_per_minute if summary.images_per_minute is not none else '–' }}</b></span>
+    <span>wall <b>{{ summary.wall_s if summary.wall_s is not none else '–' }} s</b></span>
+    <span>KV {{ summary.kv_paths }}</span>
+  </div>
+  <div class="facts sub">{% for k, v in generation.items() %}<span>{{ k }} {{ v }}</span>{% endfor %}</div>
+</div>
+
+<h2>Time and throughput</h2>
+<div class="panel plots">
+  {% if time_plot %}<figure><img alt="time split" src="{{ time_plot }}"><figcaption>Where the wall time went: engine load, AR, KV handoff, DiT + VAE, the rest.</figcaption></figure>{% endif %}
+  {% if rows_plot %}<figure><img alt="seconds per image" src="{{ rows_plot }}"><figcaption>Seconds per image by row (AR times are the row's share of its batch).</figcaption></figure>{% endif %}
+  {% if not time_plot and not rows_plot %}<div class="sub">no committed rows yet</div>{% endif %}
+</div>
+
+<h2>Error rows ({{ errors|length }})</h2>
+<div class="panel">
+{% if errors %}
+<table><thead><tr><th>row</th><th>shard</th><th>reason</th></tr></thead><tbody>
+{% for e in errors %}<tr><td>{{ e.id }}</td><td>{{ e.shard }}</td><td class="reason">{{ e.error }}</td></tr>{% endfor %}
+</tbody></table>
+{% else %}<span class="good">none</span>{% endif %}
+</div>
+
+<h2>Rows{% if cards|length < n_rows %} (first {{ cards|length }} of {{ n_rows }}){% endif %}</h2>
+<div class="grid">
+{% for c in cards %}
+<div class="card {{ 'error' if c.status != 'ok' else '' }}">
+  <div class="head"><span>{{ c.id }}</span><span class="sub">shard {{ c.shard }}</span></div>
+  <div class="pair">
+    {% if kind == 'edit' %}
+    <figure>{% if c.input %}<img alt="input {{ c.id }}" src="{{ c.input }}">{% else %}<div class="missing">no input image</div>{% endif %}<figcaption>input</figcaption></figure>
+    {% endif %}
+    <figure>{% if c.output %}<a href="{{ c.href }}"><img alt="output {{ c.id }}" src="{{ c.output }}"></a><figcaption>output {{ c.size }} · <a href="{{ c.href }}">full PNG</a></figcaption>
+    {% else %}<div class="missing">no image</div><figcaption>output</figcaption>{% endif %}</figure>
+  </div>
+  {% if c.reference %}<div class="meta">reference image: <img alt="reference {{ c.id }}" src="{{ c.reference }}" style="height:48px;vertical-align:middle"></div>{% endif %}
+  <div class="text"><b>{{ text_label }}:</b> {{ c.text or '–' }}</div>
+  {% if c.error %}<div class="reason">{{ c.error }}</div>{% endif %}
+  {% if c.cot %}<div class="text"><b>CoT:</b></div><div class="cot">{{ c.cot }}</div>{% endif %}
+  {% if c.status == 'ok' %}<div class="meta">{{ c.time }}{% if c.kv %} · KV {{ c.kv }}{% endif %}</div>{% endif %}
+</div>
+{% endfor %}
+</div>
+</main>
+</body>
+</html>
+"""
