@@ -1,0 +1,203 @@
+"""The product job on every GPU layout, through the job runner users run (`ardit edit`).
+
+    python benchmarks/layouts.py --layouts tp1 tp2 pp2 dp2 --rows 32 --out $OUT/layouts.json
+    python benchmarks/layouts.py --layers 4 --layouts tp1 tp2 pp2 --rows 8 --out $OUT/stack.json
+
+Each layout runs `python -m pipeline.cli edit` as a user would, on the full-size model with dummy
+weights (`--model hunyuan-image-3`, or with --layers N a checkpoint directory written here whose
+config.json is the released one cut to N decoder layers: full width, reduced depth), FP8 by default,
+IT2I rows with 1024x1024 conditioning images, 8 steps, CFG 5, and every row's CoT forced to
+--cot-tokens tokens (ARDIT_BENCH_COT_TOKENS, honoured with dummy weights only).
+
+Per layout it reports: rows ok / failed (and the first failure), wall time, model load time,
+img/GPU-h end to end and without the load (wall - load), seconds per row per stage (AR prefill,
+AR decode, DiT), peak memory per GPU (nvidia-smi, sampled every 0.5 s), kernel fallbacks.
+Layout names: tpN, ppN, dpN and combinations joined by 'x' (e.g. pp2xtp2, dp2xtp1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_layout(name: str) -> dict[str, int]:
+    """'pp2xtp2' -> {'tp': 2, 'pp': 2, 'dp': 1}."""
+    sizes = {"tp": 1, "pp": 1, "dp": 1}
+    for part in name.split("x"):
+        m = re.fullmatch(r"(tp|pp|dp)(\d+)", part)
+        if not m:
+            raise SystemExit(f"layout {name!r}: parts are tpN, ppN, dpN joined by 'x'")
+        sizes[m.group(1)] = int(m.group(2))
+    return sizes
+
+
+class GpuMemory:
+    """Peak memory.used per GPU from nvidia-smi, sampled in the background."""
+
+    def __init__(self, interval_s: float = 0.5):
+        self.interval_s, self.peak_mib, self._stop = interval_s, {}, threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout
+                for line in out.strip().splitlines():
+                    index, used = (int(v) for v in line.split(","))
+                    self.peak_mib[index] = max(self.peak_mib.get(index, 0), used)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "GpuMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def write_reduced_checkpoint(directory: Path, layers: int, distil: bool = False) -> Path:
+    """config.json of the released model cut to `layers` decoder layers, plus the files beside the
+    weights (tokenizer, system prompts, generation config); weights are drawn (--dummy-weights)."""
+    from components.engine.config import full_config, full_distil_config
+    from components.engine.generation_config import GenerationConfig, write_generation_config_file
+    from components.engine.system_prompts import write_system_prompt_file
+    from components.engine.tokenizer import write_tokenizer_files
+
+    config = (full_distil_config() if distil else full_config())
+    n = layers
+    config = config.replace(num_hidden_layers=n, moe_topk=config.moe_topk[:n],
+                            moe_intermediate_size=config.moe_intermediate_size[:n],
+                            num_shared_expert=config.num_shared_expert[:n])
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    write_tokenizer_files(directory)
+    write_system_prompt_file(directory)
+    write_generation_config_file(directory, GenerationConfig.from_dict({
+        "diff_infer_steps": 8, "diff_guidance_scale": 5.0, "flow_shift": 3.0, "bot_task": "think_recaption",
+        "use_system_prompt": "en_unified", "sequence_template": "instruct", "max_new_tokens": 2048,
+        "do_sample": True, "temperature": 0.6, "top_k": 1024, "top_p": 0.95, "drop_think": False,
+        "max_length": 22800}))
+    return directory
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return [r for f in sorted(run_dir.glob("shards/*/rows.parquet")) for r in pq.read_table(f).to_pylist()]
+
+
+def mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), 3) if values else None
+
+
+def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, work: Path) -> dict:
+    sizes = parse_layout(name)
+    gpus = sizes["tp"] * sizes["pp"] * sizes["dp"]
+    run_id = f"bench-{name}"
+    shutil.rmtree(work / "runs" / run_id, ignore_errors=True)
+    shards = max(args.shards, sizes["dp"])
+    cmd = [sys.executable, "-m", "pipeline.cli", "edit", str(dataset), "-o", str(work / "runs"), "--run-id", run_id,
+           "--model", model, "--num-shards", str(shards), "--steps", str(args.steps), "--guidance", str(args.guidance),
+           "--device", "cuda", "--tp", str(sizes["tp"]), "--pp", str(sizes["pp"]), "--dp", str(sizes["dp"])]
+    if args.layers:
+        cmd.append("--dummy-weights")
+    if args.quantization != "none":
+        cmd += ["--quantization", args.quantization]
+    cmd += args.extra
+    env = {**os.environ, "ARDIT_BENCH_COT_TOKENS": str(args.cot_tokens), "PYTHONUNBUFFERED": "1"}
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with GpuMemory() as memory:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    log = (proc.stdout + proc.stderr)[-4000:]
+    print(log[-1500:], flush=True)
+    run_dir = work / "runs" / run_id
+    rows = rows_of(run_dir)
+    ok = [r for r in rows if r.get("status") == "ok"]
+    failed = [r for r in rows if r.get("status") != "ok"]
+    summary = {}
+    if (run_dir / "summary.json").is_file():
+        summary = json.loads((run_dir / "summary.json").read_text())
+    split = summary.get("time_split_s", {})
+    load_s = split.get("load")
+    result = {
+        "layout": name, **sizes, "gpus": gpus, "exit_code": proc.returncode, "rows": len(rows), "rows_ok": len(ok),
+        "rows_failed": len(failed), "first_failure": failed[0].get("error") if failed else None,
+        "wall_s": round(wall, 1), "load_s": load_s,
+        "img_per_gpu_h": round(len(ok) * 3600 / (wall * gpus), 1) if ok else 0.0,
+        "img_per_gpu_h_after_load": (round(len(ok) * 3600 / ((wall - load_s) * gpus), 1)
+                                     if ok and load_s else None),
+        "ar_prefill_s_per_row": mean([r.get("ar_prefill_s") for r in ok]),
+        "ar_decode_s_per_row": mean([r.get("ar_decode_s") for r in ok]),
+        "dit_s_per_row": mean([(r.get("dit_total_s") or 0) + (r.get("vae_decode_s") or 0) for r in ok]),
+        "dit_step_s_mean": mean([r.get("dit_step_s_mean") for r in ok]),
+        "kv_paths": sorted({str(r.get("kv_path")) for r in ok}),
+        "kernel_fallbacks": summary.get("kernel_fallbacks"),
+        "peak_gpu_mib": memory.peak_mib, "time_split_s": split, "log_tail": log[-1500:],
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "log_tail"}), flush=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", default=["tp1"])
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--guidance", type=float, default=5.0)
+    p.add_argument("--cot-tokens", type=int, default=256)
+    p.add_argument("--image-size", type=int, default=1024)
+    p.add_argument("--quantization", default="fp8", help="fp8 | none")
+    p.add_argument("--layers", type=int, default=0, help="reduced depth (0: the full 32-layer preset)")
+    p.add_argument("--work", default="/tmp/ardit-layouts")
+    p.add_argument("--out", default=None)
+    p.add_argument("extra", nargs="*", help="more `ardit edit` options (after --)")
+    args = p.parse_args()
+
+    from components.data.sample import write_sample_edit_dataset
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    dataset = work / f"edit-{args.rows}-{args.image_size}.parquet"
+    if not dataset.exists():
+        write_sample_edit_dataset(str(dataset), n=args.rows, size=args.image_size)
+    model = (str(write_reduced_checkpoint(work / f"stack-{args.layers}", args.layers)) if args.layers
+             else "hunyuan-image-3")
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    results = {"date": time.strftime("%Y-%m-%d"), "device": device,
+               "gpus_visible": torch.cuda.device_count(), "torch": torch.__version__, "argv": sys.argv[1:],
+               "layouts": [run_layout(name, args, dataset, model, work) for name in args.layouts]}
+    print(f"\n{'layout':<10} {'ok':>4} {'fail':>4} {'wall s':>7} {'load s':>7} {'img/GPU-h':>9} {'w/o load':>9} "
+          f"{'AR pre':>7} {'AR dec':>7} {'DiT':>6} {'peak GiB/GPU':>14}")
+    for r in results["layouts"]:
+        peak = ",".join(f"{v / 1024:.0f}" for v in r["peak_gpu_mib"].values())
+        print(f"{r['layout']:<10} {r['rows_ok']:>4} {r['rows_failed']:>4} {r['wall_s']:>7} {str(r['load_s']):>7} "
+              f"{r['img_per_gpu_h']:>9} {str(r['img_per_gpu_h_after_load']):>9} {str(r['ar_prefill_s_per_row']):>7} "
+              f"{str(r['ar_decode_s_per_row']):>7} {str(r['dit_s_per_row']):>6} {peak:>14}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
