@@ -34,13 +34,14 @@ CAUSAL_SDPA = True
 # views of [B, T, H, D], the cache's K/V slices of a longer buffer); one layout also means one graph.
 CONTIGUOUS = True
 
-# `attention=auto` takes flex only from this many (query, key) pairs per call (B * T * S). Below it
-# SDPA with the dense bool mask was faster on an H100 at every prefill shape the engine runs, at the
-# per-rank heads of TP1 and TP2 (AR prefills of 3-9k tokens, the DiT's CFG prefix 2 x 6 796 = 92M
-# pairs: flex 1.1-1.4x slower; the reuse tail prefills: 1.5-3x slower); flex won at 2 x 10 750
-# tokens (231M pairs: 6.8 vs 12.7 ms). docs/benchmarks.md, 2026-11-25. `attention=flex` takes
-# flex at every size.
-FLEX_MIN_PAIRS = 160 * 2**20
+# `attention=auto` takes flex only from this many (query, key) pairs per call (B * T * S). On an
+# H100 at the per-rank heads of TP1 and TP2 (docs/benchmarks.md, 2026-11-25) SDPA with the dense
+# bool mask was faster for the DiT's reuse tail prefills (7-1 100 queries over 3-7k keys: flex
+# 1.5-3x slower, its 128-query tiles mostly padding) and for one-row prefills of 3-9k tokens whose
+# mask is nearly all one image block (flex 1.1-1.4x slower: few tiles to skip); flex won on the
+# DiT's CFG prefix, 2 x 6 796 tokens with a causal tail (92M pairs: 4.3 vs 5.0 ms, 2026-11-23), and
+# at 2 x 10 750 (231M: 6.8 vs 12.7 ms). `attention=flex` takes flex at every size.
+FLEX_MIN_PAIRS = 64 * 2**20
 
 _compiled: Callable | None = None
 
