@@ -155,8 +155,9 @@ def run_fast(path: str, key, fast, plain, parallel=None):
     (`ParallelContext.collectives_off`: it compiles every part, its result is discarded), the ranks
     agree (`all_true`) and all take the fast path, or all the plain one. A region without collectives
     passes parallel=None: a rank may then take the plain path alone, its collectives are the same.
-    Inside an outer torch.compile it runs fast() as is (the outer region has its own fallback)."""
-    if torch.compiler.is_compiling():
+    Inside an outer torch.compile or a CUDA graph capture it runs fast() as is (the outer region or
+    the capture has its own fallback: a failed capture invalidates the stream for any plain path)."""
+    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return fast()
     if (path, key) in _plain_keys:
         return plain()
