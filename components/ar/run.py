@@ -92,6 +92,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     puts = _BackgroundPuts(store, engine)
     puts.expire_orphans()
     previous_kernels = kernels.configure(batch_invariant="on" if batch_invariant else "off")
+    fallbacks_before = kernels.fallbacks()
     try:
         for start in range(0, len(pending), batch_size):
             batch = pending[start:start + batch_size]
@@ -102,11 +103,15 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                                               gen["bot_task"], gen["system_prompt"], job.effective_seed(seed)))
                 except Exception as e:  # noqa: BLE001 - one bad row must not sink the shard
                     rows.append(_error_row(job.id, f"AR input: {e}"))
-            for request, result in zip(requests, _generate(engine, requests, sampling, export_kv)):
+            batch_fallbacks = kernels.fallbacks()
+            results = _generate(engine, requests, sampling, export_kv)
+            batch_fallbacks = kernels.fallbacks() - batch_fallbacks  # the batch's first ok row carries them
+            for request, result in zip(requests, results):
                 if isinstance(result, Exception):
                     rows.append(_error_row(request.id, f"AR failed: {type(result).__name__}: {result}"))
                     continue
                 row = _ok_row(result)
+                row["kernel_fallbacks"], batch_fallbacks = batch_fallbacks, 0
                 rows.append(row)
                 if store is not None and result.prompt_kv is not None:
                     puts.add(row, run_id, shard, result.prompt_kv)
@@ -126,7 +131,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             store.close()
     progress.finish(task)
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
-            "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant}
+            "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant,
+            "kernel_fallbacks": kernels.fallbacks() - fallbacks_before}
 
 
 class _BackgroundPuts:

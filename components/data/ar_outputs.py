@@ -21,6 +21,7 @@ AR_SCHEMA = pa.schema([
     ("ar_decode_s", pa.float64()),
     ("prompt_tokens", pa.int64()),
     ("generated_tokens", pa.int64()),
+    ("kernel_fallbacks", pa.int64()),  # fast paths that fell back to plain ones in this row's batch
 ])
 
 

@@ -88,6 +88,9 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             job = pending[i]
             fetches[i] = kv_io.fetch(kv_key(run_id, shard, job.id), ar_rows.get(job.id))
 
+    from components.engine import kernels
+
+    fallbacks_before = kernels.fallbacks()
     try:
         for i, job in enumerate(pending):
             fetch(i)
@@ -118,7 +121,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         _remove_if_empty(default_kv_store(output, run_id))
     progress.finish(task)
     return {"shard": shard, **marker, "kv_wait_s": round(out_io.kv_wait_s, 4),
-            "kv_deletes_failed": kv_io.deletes_failed}
+            "kv_deletes_failed": kv_io.deletes_failed, "kernel_fallbacks": kernels.fallbacks() - fallbacks_before}
 
 
 def _remove_if_empty(url: str) -> None:
@@ -138,8 +141,9 @@ def _remove_if_empty(url: str) -> None:
 def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: str, kv, absent_reason: str,
                  get_s: float | None, *, wait_s: float, gen: dict[str, Any], seed: int,
                  step_cache: float = 0.0) -> None:
-    from components.engine import AROutput, DiTRequest
+    from components.engine import AROutput, DiTRequest, kernels
 
+    fallbacks_before = kernels.fallbacks()
     try:
         ar = AROutput.from_record(json.loads(ar_row["ar_record"]))
         out = engine.dit(DiTRequest(ar, job.pil_images(), kv, absent_reason, steps=gen["steps"],
@@ -161,7 +165,9 @@ def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: s
         dit_step_s_mean=sum(t["dit_step_s"]) / max(len(t["dit_step_s"]), 1),
         dit_total_s=t["dit_total_s"], vae_decode_s=t["vae_decode_s"],
         dit_prefix_s=t["dit_prefix_s"], generated_ids=json.dumps(ar.generated_ids),
-        ratio_index=ar.ratio_index)
+        ratio_index=ar.ratio_index,
+        # fast paths that fell back to the plain ones (per shape) for this row: its AR batch's and its DiT's
+        kernel_fallbacks=(ar_row.get("kernel_fallbacks") or 0) + kernels.fallbacks() - fallbacks_before)
     if "dit_steps_skipped" in t:
         metrics["dit_steps_skipped"] = t["dit_steps_skipped"]  # by the step cache
     out_io.ok(job.id, out.image, out.latents, key, metrics)

@@ -23,6 +23,7 @@ tensors.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ class ParallelContext:
     cfg_parallel: bool = False
     cfg_rank: int = 0  # 0: cond row, 1: uncond row
     cfg_group: object = None  # the 2-rank group {this rank, its twin in the other CFG group}
+    local_only: bool = False  # all_reduce_ leaves tensors as they are (see collectives_off)
 
     @property
     def is_first(self) -> bool:
@@ -77,10 +79,20 @@ class ParallelContext:
         dist.all_gather(parts, row.contiguous(), group=self.cfg_group)
         return torch.cat(parts)
 
+    @contextlib.contextmanager
+    def collectives_off(self):
+        """all_reduce_ does nothing inside: a trial run of a compiled region on this rank alone
+        (`kernels.run_fast`), whose result is discarded; the ranks then agree on the path."""
+        self.local_only = True
+        try:
+            yield
+        finally:
+            self.local_only = False
+
     @torch.compiler.disable  # eager inside a compiled layer, so a failure still raises RankLost
     @_collective
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.local_only:
             import torch.distributed as dist
 
             dist.all_reduce(tensor, group=self.group)

@@ -299,7 +299,12 @@ class Fp8Experts(_KeepsStorageDtypes):
                 self.down_proj_scale)
         if self.impl == "fused" or (self.impl == "auto"
                                     and grouped_fused_supported(x, self.hidden, self.intermediate)):
-            return fp8_moe_fused(*args, use_fast_accum=self.use_fast_accum, combine=self.combine)
+            from . import kernels
+
+            return kernels.run_fast("fp8_moe", kernels.moe_key(x),
+                                    lambda: fp8_moe_fused(*args, use_fast_accum=self.use_fast_accum,
+                                                          combine=self.combine),
+                                    lambda: fp8_moe_reference(*args))
         return fp8_moe_reference(*args)
 
     def extra_repr(self) -> str:

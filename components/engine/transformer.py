@@ -144,7 +144,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
         if kernels.enabled("attention", q, "flex"):
             if flex_kernels.CAUSAL_SDPA and mask.is_causal():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return flex_kernels.flex_attend(q, k, v, mask.block_mask())
+            if kernels.settings().attention == "flex" or flex_kernels.worth_flex(q, k):
+                slot_mask = mask  # a failed compile or launch at this shape: SDPA with the dense mask
+                return kernels.run_fast(
+                    "flex_attention", flex_kernels.shape_key(q, k),
+                    lambda: flex_kernels.flex_attend(q, k, v, slot_mask.block_mask()),
+                    lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=slot_mask.dense(), enable_gqa=True))
         mask = mask.dense()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -221,8 +226,11 @@ class Experts(nn.Module):
         """Routed output for tokens x [N, H] sent to `experts` [N, k] with `weights` [N, k];
         impl: loop | grouped | fused (kernels/moe.py). Quantized experts (quant.Fp8Experts)
         replace this module with the same call."""
-        run = {"loop": moe_loop, "grouped": moe_grouped, "fused": moe_fused}[impl]
-        return run(x, weights, experts, self.gate_and_up_proj, self.down_proj)
+        args = (x, weights, experts, self.gate_and_up_proj, self.down_proj)
+        if impl == "fused":  # a failure of the fused dispatch at this size: the grouped GEMMs (or the loop)
+            plain = moe_grouped if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") else moe_loop
+            return kernels.run_fast("moe", kernels.moe_key(x), lambda: moe_fused(*args), lambda: plain(*args))
+        return {"loop": moe_loop, "grouped": moe_grouped}[impl](*args)
 
 
 class MoE(nn.Module):
@@ -520,12 +528,9 @@ class HunyuanImage3ForCausalMM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
         indices = layers if layers is not None else range(len(self.model.layers))
         if compiled:
-            from .kernels.compiled_layers import layer_step
+            from .kernels.compiled_layers import run_layers
 
-            x = x.contiguous()  # as every later layer's input: one graph serves the first layer too
-            for i in indices:
-                x = layer_step(self.model.layers[i], x, cos, sin, mask, cache, i)
-            return x
+            return run_layers(self, x, cos, sin, mask, cache, indices)
         for i in indices:
             x = self.model.layers[i](x, cos, sin, mask, cache, i)
         return x

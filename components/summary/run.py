@@ -15,6 +15,8 @@ and Parquet writes, commits), null when the parts exceed the wall time (shards r
 KV wait: per shard, `kv_wait_s` is the time the DiT loop waited for KV payloads (what the
 prefetch did not hide) and `kv_wait_fraction` that time over the shard's DiT time (target < 2 %).
 `kv_reasons` counts why rows recomputed (reuse rows have no reason and are not in it).
+`kernel_fallbacks` sums the rows' count of fast kernel paths that failed on a shape and fell back
+to the plain path (a slower row, not a failed one; the first error is in the step's log).
 Floats are rounded to 4 significant digits.
 """
 
@@ -80,7 +82,8 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
             wait_s = _sum(table, "kv_wait_s")
             info.update(ok=ok, failed=table.num_rows - ok, started_at=marker.get("started_at"),
                         committed_at=marker.get("committed_at"), dit_s=dit_s, kv_wait_s=wait_s,
-                        kv_wait_fraction=(wait_s / dit_s) if dit_s else None)
+                        kv_wait_fraction=(wait_s / dit_s) if dit_s else None,
+                        kernel_fallbacks=int(_sum(table, "kernel_fallbacks")))
             tables.append(table.append_column("shard", pa.array([k] * table.num_rows, pa.int64())))
             load_s += sum((layout.read_json(layout.step_timing_key(k, step)) or {}).get("load_s", 0.0)
                           for step in ("ar", "dit"))
@@ -132,6 +135,7 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
         "kv_reasons": (dict(Counter(r for r in ok_rows.column("kv_reason").to_pylist() if r is not None))
                        if ok_rows is not None else {}),
         "kv_wait_fraction": _kv_wait_fraction(shards),
+        "kernel_fallbacks": sum(s.get("kernel_fallbacks", 0) for s in shards),
         "means_ok_rows": {c: _mean(ok_rows, c) for c in MEAN_COLUMNS} if ok_rows is not None else {},
         "errors": errors,
         "errors_truncated": max(0, n_failed - len(errors)),

@@ -5,6 +5,9 @@ layers). Every fast path is compared against its plain path in tests or benchmar
 Settings are process-wide, like `torch.backends` flags: `configure("attention=flex,moe=fused")`,
 or the `ARDIT_KERNELS` environment variable in the same form (read at first use). A value of
 `auto` picks the fast path for CUDA bfloat16 tensors and the plain one otherwise.
+
+A fast path that fails on some shape (a compiler or kernel error) falls back to the plain path for
+that shape (`run_fast`), counted by `fallbacks()`: a slower step, never a failed row.
 """
 
 from __future__ import annotations
@@ -85,3 +88,104 @@ def enabled(name: str, t: torch.Tensor, fast_value: str = "on") -> bool:
     """Whether setting `name` selects its fast path (`fast_value`) for tensor t."""
     value = getattr(settings(), name)
     return value == fast_value or (value == "auto" and fast_device(t))
+
+
+# -- fallbacks: a fast path that fails on some shape runs the plain path there ---------------------
+# A compile or kernel failure (an InductorError, a Triton resource error, a CUDA graph that cannot be
+# captured) must cost a slower step, never a failed row: `run_fast` computes the plain path instead
+# and remembers the (path, shape key) so later calls go straight to it. `fallbacks()` counts those
+# decisions in this process; the steps report the count per row and shard as `kernel_fallbacks`.
+_plain_keys: set = set()
+_proven_keys: set = set()  # tensor-parallel regions whose fast path every rank has run once
+_fallbacks = 0
+_first_error: str | None = None
+
+
+def fallbacks() -> int:
+    """How many (fast path, shape) pairs fell back to the plain path in this process so far."""
+    return _fallbacks
+
+
+def first_error() -> str | None:
+    """The error of the first fallback in this process (None: none yet)."""
+    return _first_error
+
+
+def is_kernel_failure(error: BaseException) -> bool:
+    """Whether an exception from a fast path is the kernel's or compiler's failure, which the plain
+    path avoids; out of memory, a lost rank and bad inputs (ValueError, TypeError, IndexError,
+    KeyError: the plain path would reject them too) are not, and must reach the caller."""
+    from ..parallel import RankLost
+
+    if not isinstance(error, Exception):
+        return False
+    return not isinstance(error, (torch.OutOfMemoryError, RankLost, ValueError, TypeError, IndexError, KeyError))
+
+
+def record_fallback(path: str, key, error: BaseException) -> None:
+    """Count one fallback and send `key` of `path` to the plain path from now on; the first error of
+    the process goes to stderr (one line)."""
+    global _fallbacks, _first_error
+    _plain_keys.add((path, key))
+    _fallbacks += 1
+    if _first_error is None:
+        import sys
+
+        _first_error = f"{path} {key}: {type(error).__name__}: {error}".replace("\n", " ")[:2000]
+        print(f"ardit: kernel fallback (plain path from now on for this shape; later ones are only counted): "
+              f"{_first_error}", file=sys.stderr, flush=True)
+
+
+def reset_fallbacks() -> None:
+    """Forget fallback decisions and counts (tests)."""
+    global _fallbacks, _first_error
+    _plain_keys.clear()
+    _proven_keys.clear()
+    _fallbacks, _first_error = 0, None
+
+
+def run_fast(path: str, key, fast, plain, parallel=None):
+    """fast() unless (path, key) fell back before; when fast() fails with a kernel failure, record
+    the fallback and return plain(), which must compute the same thing from the same inputs (so
+    fast() may not have changed them in a way plain() does not redo).
+
+    parallel: the rank's ParallelContext when fast() holds collectives (a compiled layer region): a
+    fast path that failed after some of them could not be redone without desynchronising the ranks.
+    So the first call of a new key under tensor parallelism is a trial with the collectives off
+    (`ParallelContext.collectives_off`: it compiles every part, its result is discarded), the ranks
+    agree (`all_true`) and all take the fast path, or all the plain one. A region without collectives
+    passes parallel=None: a rank may then take the plain path alone, its collectives are the same.
+    Inside an outer torch.compile or a CUDA graph capture it runs fast() as is (the outer region or
+    the capture has its own fallback: a failed capture invalidates the stream for any plain path)."""
+    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return fast()
+    if (path, key) in _plain_keys:
+        return plain()
+    if parallel is None or parallel.world_size == 1:
+        try:
+            return fast()
+        except Exception as e:  # noqa: BLE001 - kernel failures only, the rest is raised again
+            if not is_kernel_failure(e):
+                raise
+            record_fallback(path, key, e)
+            return plain()
+    if (path, key) not in _proven_keys:
+        error = None
+        try:
+            with parallel.collectives_off():
+                fast()
+        except Exception as e:  # noqa: BLE001 - kernel failures only, the rest is raised again
+            if not is_kernel_failure(e):
+                raise
+            error = e
+        if not parallel.all_true(error is None):
+            record_fallback(path, key, error or RuntimeError("another tensor-parallel rank's fast path failed"))
+            return plain()
+        _proven_keys.add((path, key))
+    return fast()
+
+
+def moe_key(x: torch.Tensor) -> tuple:
+    """The fallback key of a routed-expert dispatch over tokens x [N, H]: N rounded up to a power of
+    two (its compiled parts are dynamic in N), the width and the dtype."""
+    return (1 << max(x.shape[0] - 1, 0).bit_length(), x.shape[-1], x.dtype)

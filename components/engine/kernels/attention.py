@@ -34,7 +34,28 @@ CAUSAL_SDPA = True
 # views of [B, T, H, D], the cache's K/V slices of a longer buffer); one layout also means one graph.
 CONTIGUOUS = True
 
+# `attention=auto` takes flex only from this many (query, key) pairs per call (B * T * S). On an
+# H100 at the per-rank heads of TP1 and TP2 (docs/benchmarks.md, 2026-11-25) SDPA with the dense
+# bool mask was faster for the DiT's reuse tail prefills (7-1 100 queries over 3-7k keys: flex
+# 1.5-3x slower, its 128-query tiles mostly padding) and for one-row prefills of 3-9k tokens whose
+# mask is nearly all one image block (flex 1.1-1.4x slower: few tiles to skip); flex won on the
+# DiT's CFG prefix, 2 x 6 796 tokens with a causal tail (92M pairs: 4.3 vs 5.0 ms, 2026-11-23), and
+# at 2 x 10 750 (231M: 6.8 vs 12.7 ms). `attention=flex` takes flex at every size.
+FLEX_MIN_PAIRS = 64 * 2**20
+
 _compiled: Callable | None = None
+
+
+def worth_flex(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether this call is large enough for flex under `attention=auto` (see FLEX_MIN_PAIRS)."""
+    return q.shape[0] * q.shape[2] * k.shape[2] >= FLEX_MIN_PAIRS
+
+
+def shape_key(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """The fallback key of a flex call: heads, dtype and the lengths rounded up to a power of two
+    (one compiled kernel serves many lengths, so a failure at one length stands for its neighbours)."""
+    b, heads, t, d = q.shape
+    return (b, heads, k.shape[1], d, q.dtype, 1 << (t - 1).bit_length(), 1 << (k.shape[2] - 1).bit_length())
 
 
 def allow_recompiles(limit: int = 64) -> None:
@@ -43,6 +64,10 @@ def allow_recompiles(limit: int = 64) -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), limit))
+    for total in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):  # over all functions
+        if hasattr(config, total):
+            setattr(config, total, max(getattr(config, total), 4 * limit))
+            break
 
 
 def block_mask(dense: torch.Tensor, mask_mod: Callable, block: int | None = None) -> BlockMask:
@@ -85,7 +110,11 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMa
         options = {"kernel_options": KERNEL_OPTIONS} if KERNEL_OPTIONS else {}
         if CONTIGUOUS:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return _compiled(q, k, v, block_mask=mask, enable_gqa=True, **options)
+        # q, k, v are in the model dtype already; the engine's autocast adds nothing to the kernel
+        # but is one more state the compiled graph depends on (pytorch#176025: autocast + flex ->
+        # NoValidChoicesError, in the backward there)
+        with torch.autocast("cuda", enabled=False):
+            return _compiled(q, k, v, block_mask=mask, enable_gqa=True, **options)
     with warnings.catch_warnings():  # "called without torch.compile": intended off CUDA
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)

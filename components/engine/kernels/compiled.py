@@ -3,7 +3,8 @@
 Shared by the fused MoE dispatch (kernels/moe.py) and the FP8 path (quant.py). A function is
 compiled on first use with CUDA inputs; elsewhere (CPU, or inside an outer torch.compile region)
 it runs eagerly, computing the same formula. If compiling fails, the failure is recorded in
-`compile_failures`, warned about once, and the function runs eagerly from then on.
+`compile_failures` (and counted in `kernels.fallbacks()`), warned about once, and the function runs
+eagerly from then on; out of memory and other errors that are not the compiler's are raised.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ def call_compiled(fn: Callable, *args: torch.Tensor, dynamic: int = 1):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     try:
         return _compiled(fn)(*args)
-    except Exception as e:  # noqa: BLE001 - any compiler failure: the eager function computes the same
+    except Exception as e:  # noqa: BLE001 - a compiler failure: the eager function computes the same
+        from . import is_kernel_failure, record_fallback
+
+        if not is_kernel_failure(e):
+            raise
         compile_failures[fn.__name__] = f"{type(e).__name__}: {e}"[:500]
+        record_fallback("compiled_fn", fn.__name__, e)  # counted with the other kernel fallbacks
         warnings.warn(f"torch.compile of {fn.__name__} failed, running it eagerly: {e}", stacklevel=2)
         return fn(*args)

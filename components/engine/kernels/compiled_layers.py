@@ -14,6 +14,9 @@ compiled and the middle stays eager:
 
 Attention itself is SDPA's flash kernel over the cached prefix (the step's image rows are unmasked,
 see transformer.HeadMask), which compilation would not speed up.
+
+A compile or kernel failure on some shape runs that shape's layers plainly (`kernels.run_fast`);
+under tensor parallelism the compiled parts hold the all-reduces, so all ranks agree on the path.
 """
 
 from __future__ import annotations
@@ -22,13 +25,19 @@ from typing import Callable
 
 import torch
 
+from .. import kernels
 from ..transformer import DecoderLayer, KVCache, attend
 from .attention import allow_recompiles
 
-# graphs a compiled part may keep (one per bucket shape and batch); dynamo's default is 8
-RECOMPILE_LIMIT = 64
+# graphs a compiled part may keep (one per bucket shape and batch: ~33 ratio buckets x CFG batch 1
+# or 2, and the prefill shapes of the step cache); dynamo's default is 8, and past the limit it runs
+# the function eagerly without a word
+RECOMPILE_LIMIT = 256
 # torch.compile backend: inductor on the GPU; tests on the CPU may use "aot_eager"
 BACKEND = "inductor"
+# True: one graph dynamic in the token count serves every bucket (one compile per process instead
+# of one per image size); False: a static graph per bucket shape
+DYNAMIC_TOKENS = False
 
 _regions: tuple[Callable, Callable] | None = None
 
@@ -38,8 +47,9 @@ def regions() -> tuple[Callable, Callable]:
     global _regions
     if _regions is None:
         allow_recompiles(RECOMPILE_LIMIT)
-        _regions = (torch.compile(DecoderLayer.attention_inputs, backend=BACKEND, dynamic=False),
-                    torch.compile(DecoderLayer.finish, backend=BACKEND, dynamic=False))
+        dynamic = None if DYNAMIC_TOKENS else False  # None: the dims marked in layer_step only
+        _regions = (torch.compile(DecoderLayer.attention_inputs, backend=BACKEND, dynamic=dynamic),
+                    torch.compile(DecoderLayer.finish, backend=BACKEND, dynamic=dynamic))
     return _regions
 
 
@@ -54,7 +64,37 @@ def layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: tor
                cache: KVCache | None, index: int) -> torch.Tensor:
     """DecoderLayer.forward with its two compiled parts."""
     attention_inputs, finish = regions()
+    if DYNAMIC_TOKENS:
+        for t in (x, cos, sin):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
     q, k, v = attention_inputs(layer, x, cos, sin)
     if cache is not None:
         k, v = cache.update(index, k, v)
-    return finish(layer, x, attend(q, k, v, mask))
+    out = attend(q, k, v, mask)
+    if DYNAMIC_TOKENS:
+        torch._dynamo.maybe_mark_dynamic(out, 2)
+    return finish(layer, x, out)
+
+
+def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache: KVCache | None,
+               indices) -> torch.Tensor:
+    """`model.forward_layers(..., compiled=True)`: the layers `indices` through the compiled parts,
+    or plainly for a shape whose compiled parts failed (the cache writes of a failed try are
+    written again by the plain layers: same slots)."""
+    layers = model.model.layers
+    x = x.contiguous()  # as every later layer's input: one graph serves the first layer too
+
+    def compiled() -> torch.Tensor:
+        h = x
+        for i in indices:
+            h = layer_step(layers[i], h, cos, sin, mask, cache, i)
+        return h
+
+    def plain() -> torch.Tensor:
+        h = x
+        for i in indices:
+            h = layers[i](h, cos, sin, mask, cache, i)
+        return h
+
+    key = (tuple(x.shape), x.dtype, tuple(cos.shape), type(mask).__name__, tuple(indices))
+    return kernels.run_fast("compiled_layers", key, compiled, plain, getattr(model, "parallel", None))

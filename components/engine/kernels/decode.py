@@ -32,7 +32,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import enabled
+from . import enabled, is_kernel_failure, record_fallback
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SPAN_STEP = 1024  # attention span granularity: a new graph every SPAN_STEP tokens
@@ -188,6 +188,9 @@ class StaticDecoder:
             try:
                 entry = self.graphs[span] = self.capture(lambda: self.forward(span))
             except RuntimeError as e:  # an op that syncs with the host cannot be captured
+                if not is_kernel_failure(e):
+                    raise  # out of memory, a lost rank: not the graph's failure
+                record_fallback("decode_graphs", (self.rows, span), e)
                 warnings.warn(f"decode graphs: capture failed, decoding eagerly ({e})", stacklevel=2)
                 self.graph_error, self.use_graphs = str(e), False
                 torch.cuda.synchronize()
