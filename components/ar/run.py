@@ -134,11 +134,13 @@ class _BackgroundPuts:
     when its put finishes; a failed put leaves kv_error (the DiT step recomputes and says why)."""
 
     def __init__(self, store: Any, engine: Any = None):
-        from components.kvparts import rank_heads
+        from components.kvparts import rank_heads, rank_layers
 
         self.store = store
-        # under tensor parallelism each rank stores only its KV heads (components/kvparts.py)
+        # under tensor / pipeline parallelism each rank stores only its KV heads of its layers
+        # (components/kvparts.py)
         self.heads = rank_heads(engine) if engine is not None else None
+        self.layers = (rank_layers(engine), engine.config.num_hidden_layers) if engine is not None else (None, None)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-put") if store is not None else None
         self.queued: list[tuple[dict[str, Any], str, Any]] = []
         self.in_flight: list[tuple[dict[str, Any], str, Future]] = []
@@ -174,7 +176,8 @@ class _BackgroundPuts:
                 self.stored.append(key)
                 return size, time.perf_counter() - t0, None
             first, _, total, writes = self.heads
-            return put_heads(self.store, key, kv, first, total, writes, self.stored), time.perf_counter() - t0, None
+            size = put_heads(self.store, key, kv, first, total, writes, self.stored, *self.layers)
+            return size, time.perf_counter() - t0, None
         except Exception as e:  # noqa: BLE001 - the DiT step will recompute and say why
             return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
 

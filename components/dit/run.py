@@ -170,10 +170,11 @@ class _KVReader:
     (not thread-safe) is only ever used by one thread at a time."""
 
     def __init__(self, store: Any, engine: Any, kv_reuse: bool, deletes: bool = True):
-        from components.kvparts import rank_heads
+        from components.kvparts import rank_heads, rank_layers
 
         self.store, self.engine, self.kv_reuse, self.deletes = store, engine, kv_reuse, deletes
         self.heads = rank_heads(engine)  # this rank's KV heads under tensor parallelism
+        self.layers = rank_layers(engine)  # and its decoder layers under pipeline parallelism
         self.device = str(engine.model.device)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-io")
         self.deletes_failed = 0
@@ -200,9 +201,10 @@ class _KVReader:
         first, last, total, _ = self.heads
         from components.kvparts import get_heads
 
-        def get():  # this rank's heads: from the whole payload, or the head parts of a parallel AR
+        def get():  # this rank's heads and layers: from the whole payload, or the parts of a parallel AR
             return get_heads(self.store, key, first, last, total, self.engine.model_id, self.engine.config_hash,
-                             device=self.device)
+                             device=self.device, layers=self.layers,
+                             total_layers=self.engine.config.num_hidden_layers)
         if self.device.startswith("cuda"):
             import torch
 

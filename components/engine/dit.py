@@ -136,9 +136,10 @@ class DiTGenerator:
                 # from this request's stream (official DiT pass)
                 problem = f"seed {seed} differs from the AR's {ar.seed}, which drew the conditioning latents"
         parallel = getattr(self.model, "parallel", None)
-        if parallel is not None and parallel.world_size > 1 and not parallel.all_true(not problem):
-            # the ranks of a tensor-parallel group take the same path (their collectives must match)
-            problem = problem or "another tensor-parallel rank could not use its KV heads"
+        if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1) \
+                and not parallel.all_true(not problem):
+            # the ranks of a model copy take the same path (their collectives must match)
+            problem = problem or "another tensor-parallel rank or pipeline stage could not use its KV part"
         if req.prompt_kv is not None and problem:
             reason = problem
         elif req.prompt_kv is not None:
@@ -185,9 +186,10 @@ class DiTGenerator:
             return "no reuse boundary (no CoT end tag or <answer>)"
         if kv.config_hash and kv.config_hash != self.config_hash:
             return f"config hash {kv.config_hash} != model {self.config_hash}"
-        if kv.num_layers != cfg.num_hidden_layers:
-            return f"KV has {kv.num_layers} layers, model has {cfg.num_hidden_layers}"
-        attn = self.model.model.layers[0].self_attn  # this rank's heads under tensor parallelism
+        layers = len(self.model.stage_layers)  # a pipeline stage's KV holds its own layers
+        if kv.num_layers != layers:
+            return f"KV has {kv.num_layers} layers, model{' stage' if layers != cfg.num_hidden_layers else ''} has {layers}"
+        attn = self.model.first_attention()  # this rank's heads under tensor parallelism
         if tuple(kv.keys[0].shape[1:]) != (attn.num_kv_heads, attn.head_dim):
             return (f"KV head shape {tuple(kv.keys[0].shape[1:])} does not match the model's "
                     f"{(attn.num_kv_heads, attn.head_dim)}")
