@@ -160,3 +160,21 @@ def pipeline_row(outdir: str, device: str, parallel, kv_file: str | None = None)
         pickle.dump({"tokens": ar.generated_ids, "kv": ar.prompt_kv, "layers": engine.model.stage_layers,
                      "reuse": (reuse.latents, np.asarray(reuse.image), reuse.kv_path, reuse.kv_reason),
                      "recompute": (recompute.latents, np.asarray(recompute.image), recompute.kv_path)}, f)
+
+
+def dit_killing_stage1(device: str, parallel, **kwargs) -> dict:
+    """The DiT step, with pipeline stage 1 killed (SIGKILL) once it finished its first row."""
+    if parallel.pp_rank == 1:
+        from components.engine.dit import DiTGenerator
+
+        plain = DiTGenerator.__call__
+
+        def once_then_die(self, req):
+            out = plain(self, req)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        DiTGenerator.__call__ = once_then_die
+    from components.dit.run import run
+
+    return run(device=device, parallel=parallel, **kwargs)

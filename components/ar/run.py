@@ -50,7 +50,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         system_prompt: str | None = None, max_new_tokens: int | None = None, temperature: float | None = None,
         top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int = 0,
         device: str = "cpu", dtype: str | None = None, export_kv: bool = True, batch_invariant: bool = False,
-        progress: Any = None, parallel: Any = None) -> dict[str, Any]:
+        progress: Any = None, parallel: Any = None,
+        pipeline_parallel_size: int = 1) -> dict[str, Any]:
     """Run the AR step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
@@ -60,7 +61,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     from components.engine import ARRequest, SamplingParams, kernels
 
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, batch_size=batch_size, device=device)
+                         seed=seed, batch_size=batch_size, device=device,
+                         pipeline_parallel_size=pipeline_parallel_size)
     gen = resolve_generation(model, greedy=greedy, bot_task=bot_task, system_prompt=system_prompt,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
@@ -81,7 +83,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         return {"shard": shard, "skipped": skipped}
 
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
-                         parallel)
+                         parallel, pipeline_parallel_size)
     store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
     sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
                               max_new_tokens=gen["max_new_tokens"])

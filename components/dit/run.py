@@ -53,13 +53,15 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kv_store: str | None = None, steps: int | None = None, guidance: float | None = None,
         flow_shift: float | None = None, seed: int = 0, kv_reuse: bool = True, save_latents: bool = False,
         device: str = "cpu", dtype: str | None = None, progress: Any = None, prefetch: bool = True,
-        step_cache: float = 0.0, parallel: Any = None) -> dict[str, Any]:
+        step_cache: float = 0.0, parallel: Any = None,
+        pipeline_parallel_size: int = 1) -> dict[str, Any]:
     """Run the DiT step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
     tensor-parallel launcher (components.ranks), None in one process."""
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, device=device, step_cache=step_cache)
+                         seed=seed, device=device, step_cache=step_cache,
+                         pipeline_parallel_size=pipeline_parallel_size)
     gen = resolve_generation(model, steps=steps, guidance=guidance, flow_shift=flow_shift)
     owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
     layout = RunLayout.open(output, run_id)
@@ -74,7 +76,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     pending = writer.pending()
     ar_rows = read_ar_rows(layout, shard)
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
-                         parallel)
+                         parallel, pipeline_parallel_size)
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
     kv_io = _KVReader(store, engine, kv_reuse, deletes=owner)
     out_io = _RowWriter(writer, layout, shard, save_latents, kv_io, enabled=owner)
