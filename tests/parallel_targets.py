@@ -163,18 +163,52 @@ def pipeline_row(outdir: str, device: str, parallel, kv_file: str | None = None)
 
 
 def dit_killing_stage1(device: str, parallel, **kwargs) -> dict:
-    """The DiT step, with pipeline stage 1 killed (SIGKILL) once it finished its first row."""
+    """The DiT step, with pipeline stage 1 killed (SIGKILL) in the middle of its first row group's
+    denoising (its third (step, row) item)."""
     if parallel.pp_rank == 1:
-        from components.engine.dit import DiTGenerator
+        from components.engine import pipeline_schedule
 
-        plain = DiTGenerator.__call__
+        plain, calls = pipeline_schedule._item, []
 
-        def once_then_die(self, req):
-            out = plain(self, req)
-            os.kill(os.getpid(), signal.SIGKILL)
-            return out
+        def twice_then_die(*args, **kw):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return plain(*args, **kw)
 
-        DiTGenerator.__call__ = once_then_die
+        pipeline_schedule._item = twice_then_die
     from components.dit.run import run
 
     return run(device=device, parallel=parallel, **kwargs)
+
+
+def pipeline_group(outdir: str, device: str, parallel) -> None:
+    """Three tiny rows (two prompts, two image sizes, T2I and IT2I) denoised together through the
+    pipeline wavefront and, on the same engine, row by row; writes both latents per row."""
+    import pickle
+
+    import torch
+
+    from components.engine import Engine
+    from components.engine.ar import ARRequest, SamplingParams
+    from components.engine.dit import DiTRequest
+    from components.engine.pipeline_schedule import denoise_rows
+    from tests.test_engine_helpers import random_image
+
+    torch.manual_seed(0)
+    engine = Engine.load("tiny", device=device, tensor_parallel_size=parallel.world_size,
+                         pipeline_parallel_size=parallel.pp_size, parallel=parallel)
+    image = random_image(96, 64)
+    asks = [ARRequest("a", "a red cat on a sofa", [image], seed=1), ARRequest("b", "a blue boat", [], seed=2),
+            ARRequest("c", "a green hill at dawn", [], image_size=(64, 96), seed=3)]
+    ars = engine.generate_ar(asks, SamplingParams(temperature=0.0, max_new_tokens=6))
+
+    def requests():
+        return [DiTRequest(ar, ask.images, ar.prompt_kv, steps=3, guidance_scale=5.0) for ar, ask in zip(ars, asks)]
+
+    together = denoise_rows(engine.dit, requests())
+    alone = [engine.dit(r) for r in requests()]
+    with open(f"{outdir}/rank{parallel.pp_rank}_{parallel.rank}.pkl", "wb") as f:
+        pickle.dump({"together": [o.latents for o in together], "alone": [o.latents for o in alone],
+                     "paths": [o.kv_path for o in together], "in_flight": together[0].timings["dit_rows_in_flight"]},
+                    f)

@@ -100,3 +100,21 @@ def test_kv_moves_between_pipeline_and_one_process(single, tmp_path):
     assert _close(tp1["latents"], single["latents"]) <= 1e-5
     # negative control: one stage's K/V alone is no model's K/V
     assert _reference(parts[0], use=True)["kv_path"] == "recompute"
+
+
+@pytest.mark.slow
+def test_the_wavefront_over_rows_equals_row_by_row(tmp_path):
+    """Three rows (different prompts and sizes) denoised together through the pipeline schedule
+    give exactly the latents each gets alone; the rows differ, so a row given another's latents,
+    cache or step would show."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    run_on_ranks("tests.parallel_targets:pipeline_group", {"outdir": str(tmp_path)}, world_size=1, device="cpu",
+                 pipeline_parallel_size=2)
+    for stage in range(2):
+        out = pickle.load(open(tmp_path / f"rank{stage}_0.pkl", "rb"))
+        assert out["paths"] == ["reuse"] * 3 and out["in_flight"] == 3
+        for together, alone in zip(out["together"], out["alone"]):
+            assert torch.equal(together, alone)
+        rows = out["alone"]  # negative control: the rows differ (in shape or values) from each other
+        assert len({tuple(r.shape) for r in rows}) > 1
+        assert all(x.shape != y.shape or (x - y).abs().max() > 0.1 for i, x in enumerate(rows) for y in rows[i + 1:])

@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from components.data.ar_outputs import read_ar_rows
@@ -88,24 +89,30 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             job = pending[i]
             fetches[i] = kv_io.fetch(kv_key(run_id, shard, job.id), ar_rows.get(job.id))
 
+    from components.engine.pipeline_schedule import rows_in_flight
+
+    group_size = rows_in_flight(engine.model)  # pipeline stages denoise several rows at once
     try:
-        for i, job in enumerate(pending):
-            fetch(i)
-            if prefetch:
-                fetch(i + 1)  # row k+1's KV travels while row k denoises
-            ar_row = ar_rows.get(job.id)
-            key = kv_key(run_id, shard, job.id)
-            if ar_row is None or ar_row["status"] != "ok":
-                fetches.pop(i).result()
-                out_io.error(job.id, ar_row["error"] if ar_row else
-                             "no AR output for this row (AR step not run or failed)", key)
-            else:
-                t0 = time.perf_counter()
-                kv, absent_reason, get_s = kv_io.result(fetches.pop(i))
-                _denoise_row(engine, out_io, job, ar_row, key, kv, absent_reason, get_s,
-                             wait_s=time.perf_counter() - t0, gen=gen, seed=seed, step_cache=step_cache)
+        for start in range(0, len(pending), group_size):
+            group = []
+            for i in range(start, min(start + group_size, len(pending))):
+                job = pending[i]
+                fetch(i)
+                if prefetch:
+                    fetch(i + group_size)  # the next group's KV travels while this one denoises
+                ar_row = ar_rows.get(job.id)
+                key = kv_key(run_id, shard, job.id)
+                if ar_row is None or ar_row["status"] != "ok":
+                    fetches.pop(i).result()
+                    out_io.error(job.id, ar_row["error"] if ar_row else
+                                 "no AR output for this row (AR step not run or failed)", key)
+                else:
+                    t0 = time.perf_counter()
+                    kv, absent_reason, get_s = kv_io.result(fetches.pop(i))
+                    group.append(_DiTRow(job, ar_row, key, kv, absent_reason, get_s, time.perf_counter() - t0))
+            _denoise_rows(engine, out_io, group, gen=gen, seed=seed, step_cache=step_cache)
             out_io.check()
-            progress.advance(task, 1)
+            progress.advance(task, min(group_size, len(pending) - start))
         out_io.drain()
         marker = writer.commit() if owner else {}
         kv_io.forget(f"{run_id}/{shard}", prefix=True)
@@ -134,23 +141,60 @@ def _remove_if_empty(url: str) -> None:
             return
 
 
-def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: str, kv, absent_reason: str,
-                 get_s: float | None, *, wait_s: float, gen: dict[str, Any], seed: int,
-                 step_cache: float = 0.0) -> None:
+@dataclass
+class _DiTRow:
+    """A pending row with its AR output and fetched KV, ready to denoise."""
+
+    job: Any
+    ar_row: dict[str, Any]
+    key: str
+    kv: Any
+    absent_reason: str
+    get_s: float | None
+    wait_s: float
+
+
+def _denoise_rows(engine, out_io: _RowWriter, rows: list[_DiTRow], *, gen: dict[str, Any], seed: int,
+                  step_cache: float = 0.0) -> None:
+    """Denoise and write `rows`: one by one, or together through the pipeline schedule when the
+    engine runs in pipeline stages (if that fails, row by row, so a bad row names itself)."""
     from components.engine import AROutput, DiTRequest
+    from components.engine.parallel import RankLost
 
-    try:
-        ar = AROutput.from_record(json.loads(ar_row["ar_record"]))
-        out = engine.dit(DiTRequest(ar, job.pil_images(), kv, absent_reason, steps=gen["steps"],
-                                    guidance_scale=gen["guidance"], flow_shift=gen["flow_shift"],
-                                    seed=job.effective_seed(seed), step_cache=step_cache))
-    except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
-        from components.engine.parallel import RankLost
+    requests = {}
+    for row in rows:
+        try:
+            ar = AROutput.from_record(json.loads(row.ar_row["ar_record"]))
+            requests[row.key] = DiTRequest(ar, row.job.pil_images(), row.kv, row.absent_reason, steps=gen["steps"],
+                                           guidance_scale=gen["guidance"], flow_shift=gen["flow_shift"],
+                                           seed=row.job.effective_seed(seed), step_cache=step_cache)
+        except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
+            out_io.error(row.job.id, f"DiT failed: {type(e).__name__}: {e}", row.key)
+    rows = [row for row in rows if row.key in requests]
+    if len(rows) > 1:
+        from components.engine.pipeline_schedule import denoise_rows
 
-        if isinstance(e, RankLost):
+        try:
+            for row, out in zip(rows, denoise_rows(engine.dit, [requests[row.key] for row in rows])):
+                _write_row(out_io, row, requests[row.key].ar, out)
+            return
+        except RankLost:
             raise  # another rank died: the step fails, nothing is committed
-        out_io.error(job.id, f"DiT failed: {type(e).__name__}: {e}", key)
-        return
+        except Exception:  # noqa: BLE001 - every stage fails alike (same inputs): retry row by row
+            pass
+    for row in rows:
+        try:
+            out = engine.dit(requests[row.key])
+        except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
+            if isinstance(e, RankLost):
+                raise  # another rank died: the step fails, nothing is committed
+            out_io.error(row.job.id, f"DiT failed: {type(e).__name__}: {e}", row.key)
+            continue
+        _write_row(out_io, row, requests[row.key].ar, out)
+
+
+def _write_row(out_io: _RowWriter, row: _DiTRow, ar, out) -> None:
+    job, ar_row, key, get_s, wait_s = row.job, row.ar_row, row.key, row.get_s, row.wait_s
     t = out.timings
     metrics = dict(
         cot_text=ar.cot_text, kv_path=out.kv_path, kv_reason=out.kv_reason or None,
@@ -163,6 +207,8 @@ def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: s
         ratio_index=ar.ratio_index)
     if "dit_steps_skipped" in t:
         metrics["dit_steps_skipped"] = t["dit_steps_skipped"]  # by the step cache
+    if "dit_rows_in_flight" in t:
+        metrics["dit_rows_in_flight"] = t["dit_rows_in_flight"]  # pipeline stages: rows denoised together
     out_io.ok(job.id, out.image, out.latents, key, metrics)
 
 

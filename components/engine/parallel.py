@@ -103,6 +103,18 @@ class ParallelContext:
         dist.send(tensor.contiguous(), self.stage_rank(stage), group=self.pp_return_group if back else self.pp_group)
 
     @_collective
+    def isend_stage(self, tensor: torch.Tensor, stage: int, back: bool = False):
+        """`send_stage` without waiting: returns the torch.distributed Work (keep `tensor` until it is done)."""
+        import torch.distributed as dist
+
+        return dist.isend(tensor, self.stage_rank(stage), group=self.pp_return_group if back else self.pp_group)
+
+    @_collective
+    def wait_all(self, works: list) -> None:
+        for work in works:
+            work.wait()
+
+    @_collective
     def recv_stage(self, tensor: torch.Tensor, stage: int, back: bool = False) -> torch.Tensor:
         import torch.distributed as dist
 
