@@ -83,11 +83,6 @@ class ParallelContext:
         return self.rank == 0 and self.cfg_rank == 0 and self.pp_rank == 0
 
     @property
-    def copy_size(self) -> int:
-        """Ranks of one model copy (every rank of the process group under pipeline parallelism)."""
-        return self.world_size * self.pp_size * (2 if self.cfg_parallel else 1)
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
