@@ -2,6 +2,7 @@
 
     python -m components.ar ... --tensor-parallel-size 4
         -> 4 processes (torch.distributed: NCCL on GPUs, gloo on the CPU), rank r on cuda:r
+           (with --pipeline-parallel-size P: tp * P processes, rank = stage * tp + tp rank)
         -> each calls the step's `run(..., parallel=ParallelContext)`; all ranks compute, rank 0
            reads the shard and writes the outputs
         -> a rank that fails (exception, signal, killed) fails the whole step: the others are
@@ -36,43 +37,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_devices(world_size: int, device: str) -> None:
-    """One line when the machine cannot hold `world_size` ranks on `device`."""
+def check_devices(world_size: int, device: str, pipeline_parallel_size: int = 1) -> None:
+    """One line when the machine cannot hold `world_size` x `pipeline_parallel_size` ranks on `device`."""
     if world_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {world_size}")
+    if pipeline_parallel_size < 1:
+        raise ValueError(f"--pipeline-parallel-size must be >= 1, got {pipeline_parallel_size}")
     if device.startswith("cuda"):
         import torch
 
-        have = torch.cuda.device_count()
-        if have < world_size:
-            raise ValueError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs, this machine has {have}")
+        have, need = torch.cuda.device_count(), world_size * pipeline_parallel_size
+        if have < need:
+            what = (f"--tensor-parallel-size {world_size}" if pipeline_parallel_size == 1 else
+                    f"--tensor-parallel-size {world_size} x --pipeline-parallel-size {pipeline_parallel_size}")
+            raise ValueError(f"{what} needs {need} GPUs, this machine has {have}")
 
 
 def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: str, timeout_s: float = 1800.0,
-                 cfg_parallel: bool = False) -> Any:
-    """Call `module:function(**kwargs, parallel=ctx)` on `world_size` ranks; return rank 0's result.
+                 cfg_parallel: bool = False, pipeline_parallel_size: int = 1) -> Any:
+    """Call `module:function(**kwargs, parallel=ctx)` on `world_size` x `pipeline_parallel_size`
+    ranks; return rank 0's result.
 
     world_size 1 calls it in this process with parallel=None. cfg_parallel: the ranks form two
     tensor-parallel groups of world_size/2, one per CFG row (a DiT step layout).
     """
-    if world_size == 1 and not cfg_parallel:
+    if world_size == 1 and not cfg_parallel and pipeline_parallel_size == 1:
         return _resolve(target)(**kwargs, parallel=None)
-    with RankPool(world_size, device, timeout_s, cfg_parallel) as pool:
+    with RankPool(world_size, device, timeout_s, cfg_parallel, pipeline_parallel_size) as pool:
         return pool.run(target, kwargs)
 
 
 class RankPool:
-    """`world_size` rank processes that stay up across calls, so a job of many shards loads its
-    tensor-parallel engine once per rank (each rank keeps the engines it loaded) instead of once
-    per shard step. `run` calls a step on every rank and returns rank 0's result; a failed rank
-    fails that call with RankFailed and ends the pool (its process group is gone)."""
+    """`world_size` (tensor-parallel size) x `pipeline_parallel_size` rank processes that stay up
+    across calls, so a job of many shards loads its parallel engine once per rank (each rank keeps
+    the engines it loaded) instead of once per shard step. `run` calls a step on every rank and
+    returns rank 0's result; a failed rank fails that call with RankFailed and ends the pool (its
+    process group is gone)."""
 
-    def __init__(self, world_size: int, device: str, timeout_s: float = 1800.0, cfg_parallel: bool = False):
+    def __init__(self, world_size: int, device: str, timeout_s: float = 1800.0, cfg_parallel: bool = False,
+                 pipeline_parallel_size: int = 1):
         if cfg_parallel and world_size % 2:
             raise ValueError(f"--cfg-parallel needs an even number of ranks, got {world_size}")
+        if cfg_parallel and pipeline_parallel_size > 1:
+            raise ValueError("--cfg-parallel does not combine with --pipeline-parallel-size > 1 (use one of them)")
+        check_devices(world_size, device, pipeline_parallel_size)
+        self.pipeline_parallel_size = pipeline_parallel_size
+        world_size *= pipeline_parallel_size  # processes: tp ranks in each of the pp stages
         if world_size < 2 and not cfg_parallel:
             raise ValueError(f"a rank pool needs at least 2 ranks, got {world_size}")
-        check_devices(world_size, device)
         self.world_size, self.device, self.timeout_s, self.cfg_parallel = world_size, device, timeout_s, cfg_parallel
         self.procs: list = []
         self.broken = False
@@ -87,7 +99,8 @@ class RankPool:
         self.tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
         port = free_port()
         self.procs = [ctx.Process(target=_worker, args=(self.tasks[rank], rank, self.world_size, port, self.device,
-                                                        self.timeout_s, self.results, self.cfg_parallel),
+                                                        self.timeout_s, self.results, self.cfg_parallel,
+                                                        self.pipeline_parallel_size),
                                   daemon=False) for rank in range(self.world_size)]
         for p in self.procs:
             p.start()
@@ -105,7 +118,8 @@ class RankPool:
                 self.broken = True
                 _settle(self.procs, outcome, lambda: self._collect(outcome))
                 rank, why = _root_cause(outcome)
-                raise RankFailed(f"tensor-parallel rank {rank} of {self.world_size} failed: {why}")
+                kind = "tensor-parallel" if self.pipeline_parallel_size == 1 else "pipeline-parallel"
+                raise RankFailed(f"{kind} rank {rank} of {self.world_size} failed: {why}")
             time.sleep(0.05)
         return outcome[0][1]
 
@@ -139,14 +153,27 @@ class RankPool:
                 p.kill()
 
 
-def _context(rank: int, world: int, device, cfg_parallel: bool):
+def _context(rank: int, world: int, device, cfg_parallel: bool, pipeline_parallel_size: int = 1):
     """This rank's ParallelContext; under CFG parallelism, two tensor-parallel groups (ranks
     [0, N/2) compute the cond row, [N/2, N) the uncond row) and N/2 twin pairs that trade rows.
-    Every rank creates every group, in the same order, as torch.distributed requires."""
+    Under pipeline parallelism (P stages of tp = N/P ranks, rank = stage * tp + tp rank): a
+    tensor-parallel group per stage, and per tp rank a pipeline group of that tp rank in every
+    stage, twice (hand-offs forward, and a second communicator for the way back, so the two
+    directions never queue behind each other). Every rank creates every group, in the same order,
+    as torch.distributed requires."""
     import torch.distributed as dist
 
     from components.engine.parallel import ParallelContext
 
+    if pipeline_parallel_size > 1:
+        pp, tp = pipeline_parallel_size, world // pipeline_parallel_size
+        tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if tp > 1 else None
+        chains = [[s * tp + r for s in range(pp)] for r in range(tp)]
+        pp_groups = [dist.new_group(chain) for chain in chains]
+        return_groups = [dist.new_group(chain) for chain in chains]
+        stage, tp_rank = divmod(rank, tp)
+        return ParallelContext(tp_rank, tp, device, group=tp_groups[stage] if tp_groups else None, pp_rank=stage,
+                               pp_size=pp, pp_group=pp_groups[tp_rank], pp_return_group=return_groups[tp_rank])
     if not cfg_parallel:
         return ParallelContext(rank, world, device)
     tp = world // 2
@@ -183,7 +210,7 @@ def _resolve(target: str):
 
 
 def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: float, results,
-            cfg_parallel: bool = False) -> None:
+            cfg_parallel: bool = False, pipeline_parallel_size: int = 1) -> None:
     """A rank: join the process group once, then run each (target, kwargs) from `tasks` until None."""
     import torch
     import torch.distributed as dist
@@ -198,7 +225,7 @@ def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: flo
             dev = torch.device("cpu")
         dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        ctx = _context(rank, world, dev, cfg_parallel)
+        ctx = _context(rank, world, dev, cfg_parallel, pipeline_parallel_size)
         while (task := tasks.get()) is not None:
             target, kwargs = task
             value = _resolve(target)(**{**kwargs, "device": str(dev)}, parallel=ctx)

@@ -71,7 +71,8 @@ def resolve_model(model: str) -> ModelRef:
     return ModelRef(r.kind, r.name, Path(r.path) if r.kind == "dir" else None)
 
 
-def _engine_load_kwargs(dummy_weights: bool, tensor_parallel_size: int, quantization: str | None) -> dict:
+def _engine_load_kwargs(dummy_weights: bool, tensor_parallel_size: int, quantization: str | None,
+                        pipeline_parallel_size: int = 1) -> dict:
     """The Engine.load keywords of CONTRACTS.md, passed only when they differ from their
     defaults (so an engine that predates them still loads the default configuration)."""
     extra: dict[str, Any] = {}
@@ -79,6 +80,8 @@ def _engine_load_kwargs(dummy_weights: bool, tensor_parallel_size: int, quantiza
         extra["dummy_weights"] = True
     if tensor_parallel_size != 1:
         extra["tensor_parallel_size"] = tensor_parallel_size
+    if pipeline_parallel_size != 1:
+        extra["pipeline_parallel_size"] = pipeline_parallel_size
     if quantization:
         extra["quantization"] = quantization
     return extra
@@ -86,11 +89,12 @@ def _engine_load_kwargs(dummy_weights: bool, tensor_parallel_size: int, quantiza
 
 def load_engine(model: str, weights: str | None, device: str, dtype: str | None, seed: int = 0,
                 dummy_weights: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
-                parallel: Any = None):
+                parallel: Any = None, pipeline_parallel_size: int = 1):
     """One engine per process, whatever number of shards it serves. `parallel`: this rank's
-    ParallelContext when the step runs on tensor-parallel ranks (components.ranks passes it)."""
+    ParallelContext when the step runs on tensor- / pipeline-parallel ranks (components.ranks passes it)."""
     if parallel is not None:  # a rank of a RankPool: it keeps its engine for the job's next steps
-        key = (model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization, id(parallel))
+        key = (model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization, id(parallel),
+               pipeline_parallel_size)
         if key not in _rank_engines:
             from components.engine import Engine
 
@@ -99,7 +103,8 @@ def load_engine(model: str, weights: str | None, device: str, dtype: str | None,
             _rank_engines.clear()  # one engine per rank process: a new model replaces the old one
             _rank_engines[key] = Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed,
                                              parallel=parallel,
-                                             **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization))
+                                             **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization,
+                                                                   pipeline_parallel_size))
         return _rank_engines[key]
     return _cached_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization)
 
@@ -241,13 +246,15 @@ def check_generation_options(*, steps=None, guidance=None, flow_shift=None, bot_
 
 
 def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=1, seed=0,
-                         batch_size=1, device="auto", step_cache=0.0) -> None:
+                         batch_size=1, device="auto", step_cache=0.0, pipeline_parallel_size=1) -> None:
     if dtype is not None and dtype not in DTYPES:
         raise _bad("--dtype", dtype, f"must be one of {', '.join(DTYPES)} (default: the model config's)")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise _bad("--quantization", quantization, f"must be one of {', '.join(QUANTIZATIONS)} (default: none)")
     if not (_is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
         raise _bad("--tensor-parallel-size", tensor_parallel_size, "must be a whole number >= 1")
+    if not (_is_int(pipeline_parallel_size) and pipeline_parallel_size >= 1):
+        raise _bad("--pipeline-parallel-size", pipeline_parallel_size, "must be a whole number >= 1")
     if not (_is_int(seed) and 0 <= seed < 2**63):
         raise _bad("--seed", seed, "must be a whole number in [0, 2**63)")
     if not (_is_int(batch_size) and batch_size >= 1):
@@ -256,6 +263,9 @@ def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=
             and math.isfinite(step_cache) and 0 <= step_cache < 1):
         raise _bad("--step-cache", step_cache, "must be a number in [0, 1) (first-block change threshold; 0 = off, "
                    "typical 0.05-0.15)")
+    if step_cache and pipeline_parallel_size > 1:
+        raise _bad("--step-cache", step_cache, "does not combine with --pipeline-parallel-size > 1 (the step cache "
+                   "runs the first layer apart); drop one of them")
     check_device_name(device)
     check_kernel_settings()
 
@@ -392,7 +402,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", type=optional_str, default=None,
                    help="safetensors directory (default: the checkpoint's; presets: seeded random weights)")
     p.add_argument("--dummy-weights", action="store_true", help="seeded random weights with the model's config")
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="GPUs per model copy (default 1)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="GPUs per pipeline stage, the layers split by heads and experts (default 1)")
+    p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1,
+                   help="pipeline stages, contiguous decoder layers each; a model copy uses tp x pp GPUs (default 1)")
     p.add_argument("--quantization", type=optional_str, default=None, choices=[None, *QUANTIZATIONS],
                    help="fp8 (default: none)")
     p.add_argument("--kv-store", type=optional_str, default=None,
@@ -410,41 +423,56 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                           "ConfigMap")
     return {"model": args.model, "weights": args.weights, "dummy_weights": args.dummy_weights,
             "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
+            **({"pipeline_parallel_size": args.pipeline_parallel_size} if args.pipeline_parallel_size != 1 else {}),
             "kv_store": kv_store, "device": resolve_device(args.device), "dtype": args.dtype, "seed": args.seed}
 
 
 def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_parallel: bool = False,
              pool: Any = None) -> Any:
-    """Call a step's `run` (`module:function`) in this process, or, with tensor_parallel_size N > 1
-    (or a CFG-parallel DiT), on N rank processes: every rank computes, rank 0 reads and writes.
-    `pool`: a components.ranks.RankPool that outlives this step (a job's shards then share the
-    ranks' engines); without one the ranks start and stop with the step. Returns rank 0's result."""
+    """Call a step's `run` (`module:function`) in this process, or, with tensor_parallel_size N and
+    pipeline_parallel_size P, N * P > 1 (or a CFG-parallel DiT), on N * P rank processes: every
+    rank computes, rank 0 reads and writes. `pool`: a components.ranks.RankPool that outlives this
+    step (a job's shards then share the ranks' engines); without one the ranks start and stop with
+    the step. Returns rank 0's result."""
     import importlib
 
     world = int(kwargs.get("tensor_parallel_size") or 1)
-    if world == 1 and not cfg_parallel:
+    stages = int(kwargs.get("pipeline_parallel_size") or 1)
+    if world == 1 and stages == 1 and not cfg_parallel:
         module, _, name = target.partition(":")
         return getattr(importlib.import_module(module), name)(**kwargs, progress=progress)
+    if stages > 1:
+        check_pipeline_stages(kwargs.get("model", "tiny"), stages)
     if pool is not None:
         return pool.run(target, kwargs)
     from components.ranks import run_on_ranks
 
     try:
-        return run_on_ranks(target, kwargs, world, kwargs.get("device", "cpu"), cfg_parallel=cfg_parallel)
+        return run_on_ranks(target, kwargs, world, kwargs.get("device", "cpu"), cfg_parallel=cfg_parallel,
+                            pipeline_parallel_size=stages)
     except ValueError as exc:  # more ranks than GPUs, an odd CFG-parallel size
         raise ConfigError(str(exc)) from None
 
 
-def rank_pool(tensor_parallel_size: int, device: str) -> Any:
-    """A context manager: a RankPool for a job's tensor-parallel steps, or nothing at TP 1."""
+def check_pipeline_stages(model: str, stages: int) -> None:
+    """--pipeline-parallel-size against the model's decoder layers (each stage needs one)."""
+    layers = describe_model(model)[1].num_hidden_layers
+    if stages > layers:
+        raise _bad("--pipeline-parallel-size", stages, f"the model has {layers} decoder layers: at most {layers} "
+                   "stages")
+
+
+def rank_pool(tensor_parallel_size: int, device: str, pipeline_parallel_size: int = 1) -> Any:
+    """A context manager: a RankPool for a job's tensor- / pipeline-parallel steps, or nothing at
+    TP 1 x PP 1."""
     import contextlib
 
-    if tensor_parallel_size <= 1:
+    if tensor_parallel_size * pipeline_parallel_size <= 1:
         return contextlib.nullcontext(None)
     from components.ranks import RankPool
 
     try:
-        return RankPool(tensor_parallel_size, device)
+        return RankPool(tensor_parallel_size, device, pipeline_parallel_size=pipeline_parallel_size)
     except ValueError as exc:  # more ranks than GPUs
         raise ConfigError(str(exc)) from None
 

@@ -124,3 +124,91 @@ def fp8_checkpoint_logits(checkpoint: str, device: str, parallel) -> dict:
         if not same:
             raise AssertionError(f"rank {parallel.rank}: {name} is not its slice of the unsliced model")
     return _tp_logits_and_latents(engine)
+
+
+def pipeline_row(outdir: str, device: str, parallel, kv_file: str | None = None) -> None:
+    """`engine_row` on a pipeline-parallel rank: one tiny IT2I row (greedy AR, 2 DiT steps with
+    CFG) through the DiT's reuse path (this stage's exported K/V) and its recompute path; with
+    `kv_file`, a whole-model PromptKV (another layout's AR) sliced to this rank's layers and heads
+    for the reuse path. Writes what it computed to rank{pp_rank}_{rank}.pkl."""
+    import pickle
+
+    import numpy as np
+    import torch
+
+    from components.engine import Engine
+    from components.engine.ar import ARRequest, SamplingParams
+    from components.engine.dit import DiTRequest
+    from components.kvparts import slice_kv
+    from tests.test_engine_helpers import random_image
+
+    torch.manual_seed(0)
+    engine = Engine.load("tiny", device=device, tensor_parallel_size=parallel.world_size,
+                         pipeline_parallel_size=parallel.pp_size, parallel=parallel)
+    image = random_image(96, 64)
+    ar = engine.generate_ar([ARRequest("r", "a red cat on a sofa", [image], seed=1)],
+                            SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    kv = ar.prompt_kv
+    if kv_file:
+        from components.kvparts import rank_heads
+
+        h0, h1, _, _ = rank_heads(engine)
+        kv = slice_kv(pickle.load(open(kv_file, "rb")), h0, h1, engine.model.stage_layers)
+    reuse = engine.dit(DiTRequest(ar, [image], kv, steps=2, guidance_scale=5.0, seed=1))
+    recompute = engine.dit(DiTRequest(ar, [image], None, steps=2, guidance_scale=5.0, seed=1))
+    with open(f"{outdir}/rank{parallel.pp_rank}_{parallel.rank}.pkl", "wb") as f:
+        pickle.dump({"tokens": ar.generated_ids, "kv": ar.prompt_kv, "layers": engine.model.stage_layers,
+                     "reuse": (reuse.latents, np.asarray(reuse.image), reuse.kv_path, reuse.kv_reason),
+                     "recompute": (recompute.latents, np.asarray(recompute.image), recompute.kv_path)}, f)
+
+
+def dit_killing_stage1(device: str, parallel, **kwargs) -> dict:
+    """The DiT step, with pipeline stage 1 killed (SIGKILL) in the middle of its first row group's
+    denoising (its third (step, row) item)."""
+    if parallel.pp_rank == 1:
+        from components.engine import pipeline_schedule
+
+        plain, calls = pipeline_schedule._item, []
+
+        def twice_then_die(*args, **kw):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return plain(*args, **kw)
+
+        pipeline_schedule._item = twice_then_die
+    from components.dit.run import run
+
+    return run(device=device, parallel=parallel, **kwargs)
+
+
+def pipeline_group(outdir: str, device: str, parallel) -> None:
+    """Three tiny rows (two prompts, two image sizes, T2I and IT2I) denoised together through the
+    pipeline wavefront and, on the same engine, row by row; writes both latents per row."""
+    import pickle
+
+    import torch
+
+    from components.engine import Engine
+    from components.engine.ar import ARRequest, SamplingParams
+    from components.engine.dit import DiTRequest
+    from components.engine.pipeline_schedule import denoise_rows
+    from tests.test_engine_helpers import random_image
+
+    torch.manual_seed(0)
+    engine = Engine.load("tiny", device=device, tensor_parallel_size=parallel.world_size,
+                         pipeline_parallel_size=parallel.pp_size, parallel=parallel)
+    image = random_image(96, 64)
+    asks = [ARRequest("a", "a red cat on a sofa", [image], seed=1), ARRequest("b", "a blue boat", [], seed=2),
+            ARRequest("c", "a green hill at dawn", [], image_size=(64, 96), seed=3)]
+    ars = engine.generate_ar(asks, SamplingParams(temperature=0.0, max_new_tokens=6))
+
+    def requests():
+        return [DiTRequest(ar, ask.images, ar.prompt_kv, steps=3, guidance_scale=5.0) for ar, ask in zip(ars, asks)]
+
+    together = denoise_rows(engine.dit, requests())
+    alone = [engine.dit(r) for r in requests()]
+    with open(f"{outdir}/rank{parallel.pp_rank}_{parallel.rank}.pkl", "wb") as f:
+        pickle.dump({"together": [o.latents for o in together], "alone": [o.latents for o in alone],
+                     "paths": [o.kv_path for o in together], "in_flight": together[0].timings["dit_rows_in_flight"]},
+                    f)

@@ -50,7 +50,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         system_prompt: str | None = None, max_new_tokens: int | None = None, temperature: float | None = None,
         top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int = 0,
         device: str = "cpu", dtype: str | None = None, export_kv: bool = True, batch_invariant: bool = False,
-        progress: Any = None, parallel: Any = None) -> dict[str, Any]:
+        progress: Any = None, parallel: Any = None,
+        pipeline_parallel_size: int = 1) -> dict[str, Any]:
     """Run the AR step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
@@ -60,7 +61,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     from components.engine import ARRequest, SamplingParams, kernels
 
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, batch_size=batch_size, device=device)
+                         seed=seed, batch_size=batch_size, device=device,
+                         pipeline_parallel_size=pipeline_parallel_size)
     gen = resolve_generation(model, greedy=greedy, bot_task=bot_task, system_prompt=system_prompt,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
@@ -82,7 +84,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
 
     t_load = time.perf_counter()
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
-                         parallel)
+                         parallel, pipeline_parallel_size)
     load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
     store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
     sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
@@ -143,11 +145,13 @@ class _BackgroundPuts:
     when its put finishes; a failed put leaves kv_error (the DiT step recomputes and says why)."""
 
     def __init__(self, store: Any, engine: Any = None):
-        from components.kvparts import rank_heads
+        from components.kvparts import rank_heads, rank_layers
 
         self.store = store
-        # under tensor parallelism each rank stores only its KV heads (components/kvparts.py)
+        # under tensor / pipeline parallelism each rank stores only its KV heads of its layers
+        # (components/kvparts.py)
         self.heads = rank_heads(engine) if engine is not None else None
+        self.layers = (rank_layers(engine), engine.config.num_hidden_layers) if engine is not None else (None, None)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-put") if store is not None else None
         self.queued: list[tuple[dict[str, Any], str, Any]] = []
         self.in_flight: list[tuple[dict[str, Any], str, Future]] = []
@@ -183,7 +187,8 @@ class _BackgroundPuts:
                 self.stored.append(key)
                 return size, time.perf_counter() - t0, None
             first, _, total, writes = self.heads
-            return put_heads(self.store, key, kv, first, total, writes, self.stored), time.perf_counter() - t0, None
+            size = put_heads(self.store, key, kv, first, total, writes, self.stored, *self.layers)
+            return size, time.perf_counter() - t0, None
         except Exception as e:  # noqa: BLE001 - the DiT step will recompute and say why
             return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
 

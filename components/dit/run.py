@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from components.data.ar_outputs import read_ar_rows
@@ -53,13 +54,15 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kv_store: str | None = None, steps: int | None = None, guidance: float | None = None,
         flow_shift: float | None = None, seed: int = 0, kv_reuse: bool = True, save_latents: bool = False,
         device: str = "cpu", dtype: str | None = None, progress: Any = None, prefetch: bool = True,
-        step_cache: float = 0.0, parallel: Any = None) -> dict[str, Any]:
+        step_cache: float = 0.0, parallel: Any = None,
+        pipeline_parallel_size: int = 1) -> dict[str, Any]:
     """Run the DiT step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
     tensor-parallel launcher (components.ranks), None in one process."""
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, device=device, step_cache=step_cache)
+                         seed=seed, device=device, step_cache=step_cache,
+                         pipeline_parallel_size=pipeline_parallel_size)
     gen = resolve_generation(model, steps=steps, guidance=guidance, flow_shift=flow_shift)
     owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
     layout = RunLayout.open(output, run_id)
@@ -75,7 +78,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     ar_rows = read_ar_rows(layout, shard)
     t_load = time.perf_counter()
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
-                         parallel)
+                         parallel, pipeline_parallel_size)
     load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
     kv_io = _KVReader(store, engine, kv_reuse, deletes=owner)
@@ -89,26 +92,31 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             fetches[i] = kv_io.fetch(kv_key(run_id, shard, job.id), ar_rows.get(job.id))
 
     from components.engine import kernels
+    from components.engine.pipeline_schedule import rows_in_flight
 
     fallbacks_before = kernels.fallbacks()
+    group_size = rows_in_flight(engine.model)  # pipeline stages denoise several rows at once
     try:
-        for i, job in enumerate(pending):
-            fetch(i)
-            if prefetch:
-                fetch(i + 1)  # row k+1's KV travels while row k denoises
-            ar_row = ar_rows.get(job.id)
-            key = kv_key(run_id, shard, job.id)
-            if ar_row is None or ar_row["status"] != "ok":
-                fetches.pop(i).result()
-                out_io.error(job.id, ar_row["error"] if ar_row else
-                             "no AR output for this row (AR step not run or failed)", key)
-            else:
-                t0 = time.perf_counter()
-                kv, absent_reason, get_s = kv_io.result(fetches.pop(i))
-                _denoise_row(engine, out_io, job, ar_row, key, kv, absent_reason, get_s,
-                             wait_s=time.perf_counter() - t0, gen=gen, seed=seed, step_cache=step_cache)
+        for start in range(0, len(pending), group_size):
+            group = []
+            for i in range(start, min(start + group_size, len(pending))):
+                job = pending[i]
+                fetch(i)
+                if prefetch:
+                    fetch(i + group_size)  # the next group's KV travels while this one denoises
+                ar_row = ar_rows.get(job.id)
+                key = kv_key(run_id, shard, job.id)
+                if ar_row is None or ar_row["status"] != "ok":
+                    fetches.pop(i).result()
+                    out_io.error(job.id, ar_row["error"] if ar_row else
+                                 "no AR output for this row (AR step not run or failed)", key)
+                else:
+                    t0 = time.perf_counter()
+                    kv, absent_reason, get_s = kv_io.result(fetches.pop(i))
+                    group.append(_DiTRow(job, ar_row, key, kv, absent_reason, get_s, time.perf_counter() - t0))
+            _denoise_rows(engine, out_io, group, gen=gen, seed=seed, step_cache=step_cache)
             out_io.check()
-            progress.advance(task, 1)
+            progress.advance(task, min(group_size, len(pending) - start))
         out_io.drain()
         if owner:
             layout.write_json(layout.step_timing_key(shard, "dit"), {"load_s": round(load_s, 3)})
@@ -138,24 +146,76 @@ def _remove_if_empty(url: str) -> None:
             return
 
 
-def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: str, kv, absent_reason: str,
-                 get_s: float | None, *, wait_s: float, gen: dict[str, Any], seed: int,
-                 step_cache: float = 0.0) -> None:
+@dataclass
+class _DiTRow:
+    """A pending row with its AR output and fetched KV, ready to denoise."""
+
+    job: Any
+    ar_row: dict[str, Any]
+    key: str
+    kv: Any
+    absent_reason: str
+    get_s: float | None
+    wait_s: float
+
+
+def _denoise_rows(engine, out_io: _RowWriter, rows: list[_DiTRow], *, gen: dict[str, Any], seed: int,
+                  step_cache: float = 0.0) -> None:
+    """Denoise and write `rows`: one by one, or together through the pipeline schedule when the
+    engine runs in pipeline stages (if that fails, row by row, so a bad row names itself)."""
     from components.engine import AROutput, DiTRequest, kernels
+    from components.engine.parallel import RankLost
 
-    fallbacks_before = kernels.fallbacks()
-    try:
-        ar = AROutput.from_record(json.loads(ar_row["ar_record"]))
-        out = engine.dit(DiTRequest(ar, job.pil_images(), kv, absent_reason, steps=gen["steps"],
-                                    guidance_scale=gen["guidance"], flow_shift=gen["flow_shift"],
-                                    seed=job.effective_seed(seed), step_cache=step_cache))
-    except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
-        from components.engine.parallel import RankLost
+    fallbacks = _FallbackCounter(kernels.fallbacks())
+    requests = {}
+    for row in rows:
+        try:
+            ar = AROutput.from_record(json.loads(row.ar_row["ar_record"]))
+            requests[row.key] = DiTRequest(ar, row.job.pil_images(), row.kv, row.absent_reason, steps=gen["steps"],
+                                           guidance_scale=gen["guidance"], flow_shift=gen["flow_shift"],
+                                           seed=row.job.effective_seed(seed), step_cache=step_cache)
+        except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
+            out_io.error(row.job.id, f"DiT failed: {type(e).__name__}: {e}", row.key)
+    rows = [row for row in rows if row.key in requests]
+    if len(rows) > 1:
+        from components.engine.pipeline_schedule import denoise_rows
 
-        if isinstance(e, RankLost):
+        try:
+            for row, out in zip(rows, denoise_rows(engine.dit, [requests[row.key] for row in rows])):
+                _write_row(out_io, row, requests[row.key].ar, out, fallbacks)
+            return
+        except RankLost:
             raise  # another rank died: the step fails, nothing is committed
-        out_io.error(job.id, f"DiT failed: {type(e).__name__}: {e}", key)
-        return
+        except Exception:  # noqa: BLE001 - every stage fails alike (same inputs): retry row by row
+            pass
+    for row in rows:
+        try:
+            out = engine.dit(requests[row.key])
+        except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
+            if isinstance(e, RankLost):
+                raise  # another rank died: the step fails, nothing is committed
+            out_io.error(row.job.id, f"DiT failed: {type(e).__name__}: {e}", row.key)
+            continue
+        _write_row(out_io, row, requests[row.key].ar, out, fallbacks)
+
+
+class _FallbackCounter:
+    """Fast-path fallbacks since the last row written: each is counted on one row (rows of a
+    pipeline group share their denoising, so the group's count goes to the first of them)."""
+
+    def __init__(self, start: int):
+        self.seen = start
+
+    def take(self) -> int:
+        from components.engine import kernels
+
+        now = kernels.fallbacks()
+        new, self.seen = now - self.seen, now
+        return new
+
+
+def _write_row(out_io: _RowWriter, row: _DiTRow, ar, out, fallbacks: _FallbackCounter) -> None:
+    job, ar_row, key, get_s, wait_s = row.job, row.ar_row, row.key, row.get_s, row.wait_s
     t = out.timings
     metrics = dict(
         cot_text=ar.cot_text, kv_path=out.kv_path, kv_reason=out.kv_reason or None,
@@ -167,9 +227,11 @@ def _denoise_row(engine, out_io: _RowWriter, job, ar_row: dict[str, Any], key: s
         dit_prefix_s=t["dit_prefix_s"], generated_ids=json.dumps(ar.generated_ids),
         ratio_index=ar.ratio_index,
         # fast paths that fell back to the plain ones (per shape) for this row: its AR batch's and its DiT's
-        kernel_fallbacks=(ar_row.get("kernel_fallbacks") or 0) + kernels.fallbacks() - fallbacks_before)
+        kernel_fallbacks=(ar_row.get("kernel_fallbacks") or 0) + fallbacks.take())
     if "dit_steps_skipped" in t:
         metrics["dit_steps_skipped"] = t["dit_steps_skipped"]  # by the step cache
+    if "dit_rows_in_flight" in t:
+        metrics["dit_rows_in_flight"] = t["dit_rows_in_flight"]  # pipeline stages: rows denoised together
     out_io.ok(job.id, out.image, out.latents, key, metrics)
 
 
@@ -183,11 +245,12 @@ class _KVReader:
     store never holds up the step's exit."""
 
     def __init__(self, store: Any, engine: Any, kv_reuse: bool, deletes: bool = True):
-        from components.kvparts import rank_heads
+        from components.kvparts import rank_heads, rank_layers
         from components.kvstore.base import DaemonPool
 
         self.store, self.engine, self.kv_reuse, self.deletes = store, engine, kv_reuse, deletes
         self.heads = rank_heads(engine)  # this rank's KV heads under tensor parallelism
+        self.layers = rank_layers(engine)  # and its decoder layers under pipeline parallelism
         self.device = str(engine.model.device)
         self.timeout_s = float(getattr(getattr(store, "cfg", None), "timeout", 0) or 60.0)
         self.gets = DaemonPool(1, "kv-io-get")
@@ -234,9 +297,10 @@ class _KVReader:
         t0 = time.perf_counter()
         first, last, total, _ = self.heads
 
-        def get():  # this rank's heads: from the whole payload, or the head parts of a parallel AR
+        def get():  # this rank's heads and layers: from the whole payload, or the parts of a parallel AR
             return get_heads(self.store, key, first, last, total, self.engine.model_id, self.engine.config_hash,
-                             device=self.device)
+                             device=self.device, layers=self.layers,
+                             total_layers=self.engine.config.num_hidden_layers)
         if self.device.startswith("cuda"):
             import torch
 

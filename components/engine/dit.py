@@ -61,6 +61,34 @@ class DiTOutput:
     timings: dict = field(default_factory=dict)
 
 
+@dataclass
+class DenoisingRow:
+    """One request between `DiTGenerator.prepare` and `finish`: its prefix K/V, latents and
+    scheduler (a pipeline schedule keeps several of them in flight)."""
+
+    req: DiTRequest
+    seq: Sequence
+    steps: int
+    guidance: float
+    cache: KVCache
+    kv_path: str
+    reason: str
+    timings: dict
+    t0: float
+    latents: torch.Tensor
+    scheduler: object
+    step: tuple  # (positions, HeadMask) of the step's tokens
+    step_cache: FirstBlockCache | None = None
+    meanflow: bool = False
+
+    def t(self, i: int) -> torch.Tensor:
+        return self.scheduler.timesteps[i].reshape(1).float()
+
+    def t_r(self, i: int) -> torch.Tensor | None:
+        """Distil's next timestep (official get_timestep_r), None for other models."""
+        return self.scheduler.sigmas[i + 1].reshape(1) * 1000 if self.meanflow else None
+
+
 # When a model has no generation config (should not happen for checkpoints): the released values.
 FALLBACK_STEPS, FALLBACK_GUIDANCE, FALLBACK_SHIFT = 50, 5.0, 3.0
 
@@ -108,6 +136,19 @@ class DiTGenerator:
 
     @torch.no_grad()
     def __call__(self, req: DiTRequest) -> DiTOutput:
+        with self.model.autocast():
+            row = self.prepare(req)
+            for i in range(row.steps):
+                ts = time.perf_counter()
+                velocity = self.predict(row.cache, row.seq, row.latents, row.t(i), row.guidance, row.step,
+                                        row.t_r(i), req.guidance_rescale, row.step_cache)
+                row.latents = row.scheduler.step(velocity, row.scheduler.timesteps[i], row.latents).prev_sample
+                row.timings["dit_step_s"].append(time.perf_counter() - ts)
+            return self.finish(row)
+
+    def prepare(self, req: DiTRequest) -> "DenoisingRow":
+        """Everything before the first denoising step: settings, the prefix K/V (reused or
+        recomputed), the initial noise, the scheduler and the step's positions and mask."""
         ar = req.ar
         if ar.is_text_only:
             raise ValueError(f"request {ar.id}: a text answer (bot_task auto) has no image to denoise")
@@ -115,13 +156,7 @@ class DiTGenerator:
         steps, guidance, shift = self.settings(req)
         distilled = self.model.config.cfg_distilled
         cfg_on = guidance > 1.0 and not distilled  # Distil takes the scale as a token, one row
-        timings: dict = {"dit_steps": steps}
-        with self.model.autocast():
-            return self._denoise(req, seq, steps, guidance, shift, cfg_on, timings)
-
-    def _denoise(self, req: DiTRequest, seq: Sequence, steps: int, guidance: float, shift: float, cfg_on: bool,
-                 timings: dict) -> DiTOutput:
-        ar = req.ar
+        timings: dict = {"dit_steps": steps, "dit_step_s": []}
 
         t0 = time.perf_counter()
         # one stream per request, as the official DiT pass: conditioning-image posterior draws, then noise
@@ -136,9 +171,10 @@ class DiTGenerator:
                 # from this request's stream (official DiT pass)
                 problem = f"seed {seed} differs from the AR's {ar.seed}, which drew the conditioning latents"
         parallel = getattr(self.model, "parallel", None)
-        if parallel is not None and parallel.world_size > 1 and not parallel.all_true(not problem):
-            # the ranks of a tensor-parallel group take the same path (their collectives must match)
-            problem = problem or "another tensor-parallel rank could not use its KV heads"
+        if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1) \
+                and not parallel.all_true(not problem):
+            # the ranks of a model copy take the same path (their collectives must match)
+            problem = problem or "another tensor-parallel rank or pipeline stage could not use its KV part"
         if req.prompt_kv is not None and problem:
             reason = problem
         elif req.prompt_kv is not None:
@@ -148,26 +184,23 @@ class DiTGenerator:
             cache = self.prefix_from_scratch(seq, req.images, cfg_on, generator)
         timings["dit_prefix_s"] = time.perf_counter() - t0
 
-        latents = self.initial_noise(seq, generator)
-        scheduler = official_scheduler(steps, shift, self.model.device)
-        step = self.step_inputs(seq, cache.k[0].shape[0])
-        step_cache = FirstBlockCache(req.step_cache) if req.step_cache > 0 else None
-        meanflow = self.model.config.use_meanflow
-        step_times = []
-        for i, t in enumerate(scheduler.timesteps):
-            ts = time.perf_counter()
-            t_r = scheduler.sigmas[i + 1].reshape(1) * 1000 if meanflow else None  # official get_timestep_r
-            velocity = self.predict(cache, seq, latents, t.reshape(1).float(), guidance, step, t_r,
-                                    req.guidance_rescale, step_cache)
-            latents = scheduler.step(velocity, t, latents).prev_sample
-            step_times.append(time.perf_counter() - ts)
-        timings["dit_step_s"] = step_times
-        if step_cache is not None:
-            timings["dit_steps_skipped"] = step_cache.skipped
+        if req.step_cache > 0 and self.model.pipeline is not None:
+            raise ValueError("the step cache does not run across pipeline stages (--step-cache with --pp > 1)")
+        return DenoisingRow(req, seq, steps, guidance, cache, kv_path, reason, timings, t0,
+                            latents=self.initial_noise(seq, generator),
+                            scheduler=official_scheduler(steps, shift, self.model.device),
+                            step=self.step_inputs(seq, cache.k[0].shape[0]),
+                            step_cache=FirstBlockCache(req.step_cache) if req.step_cache > 0 else None,
+                            meanflow=self.model.config.use_meanflow)
 
+    def finish(self, row: "DenoisingRow") -> DiTOutput:
+        """The denoised latents -> the image (VAE decode, official output size alignment)."""
+        ar, timings = row.req.ar, row.timings
+        if row.step_cache is not None:
+            timings["dit_steps_skipped"] = row.step_cache.skipped
         t1 = time.perf_counter()
-        timings["dit_total_s"] = t1 - t0  # prefix + denoising; the VAE decode is timed apart
-        image = self.decode(latents)
+        timings["dit_total_s"] = t1 - row.t0  # prefix + denoising; the VAE decode is timed apart
+        image = self.decode(row.latents)
         if ar.infer_align_image_size:  # official postprocess_outputs: match a conditioning image's ratio
             from .image_processing import align_output_size
 
@@ -175,7 +208,7 @@ class DiTGenerator:
                                       [(c.ratio_index, c.orig_width, c.orig_height) for c in ar.cond_images],
                                       self.builder.resolutions)
         timings["vae_decode_s"] = time.perf_counter() - t1
-        return DiTOutput(ar.id, image, latents.float().cpu(), kv_path, reason, timings)
+        return DiTOutput(ar.id, image, row.latents.float().cpu(), row.kv_path, row.reason, timings)
 
     # -- prefix K/V -------------------------------------------------------------------------------
     def check_kv(self, kv: PromptKV, seq: Sequence) -> str:
@@ -185,9 +218,10 @@ class DiTGenerator:
             return "no reuse boundary (no CoT end tag or <answer>)"
         if kv.config_hash and kv.config_hash != self.config_hash:
             return f"config hash {kv.config_hash} != model {self.config_hash}"
-        if kv.num_layers != cfg.num_hidden_layers:
-            return f"KV has {kv.num_layers} layers, model has {cfg.num_hidden_layers}"
-        attn = self.model.model.layers[0].self_attn  # this rank's heads under tensor parallelism
+        layers = len(self.model.stage_layers)  # a pipeline stage's KV holds its own layers
+        if kv.num_layers != layers:
+            return f"KV has {kv.num_layers} layers, model{' stage' if layers != cfg.num_hidden_layers else ''} has {layers}"
+        attn = self.model.first_attention()  # this rank's heads under tensor parallelism
         if tuple(kv.keys[0].shape[1:]) != (attn.num_kv_heads, attn.head_dim):
             return (f"KV head shape {tuple(kv.keys[0].shape[1:])} does not match the model's "
                     f"{(attn.num_kv_heads, attn.head_dim)}")
@@ -312,9 +346,20 @@ class DiTGenerator:
                 step_cache: FirstBlockCache | None = None) -> torch.Tensor:
         """Velocity for `latents` at time t: the step's special tokens + image tokens over the cached
         prefix, then classifier-free guidance over the [cond; uncond] rows."""
-        model, gen = self.model, seq.gen_image
+        model = self.model
         batch = cache.k[0].shape[0]
         positions, mask = step or self.step_inputs(seq, batch)
+        x = self.step_tokens(latents, t, guidance, t_r, batch)
+        compiled = kernels.enabled("compile", x, "on")
+        hidden = (step_cache.forward(model, x, positions, mask, cache, compiled=compiled) if step_cache is not None
+                  else model.forward_layers(x, positions, mask, cache, compiled=compiled))
+        return self.guided(hidden, seq, t, guidance, guidance_rescale)
+
+    def step_tokens(self, latents: torch.Tensor, t: torch.Tensor, guidance: float, t_r: torch.Tensor | None,
+                    batch: int) -> torch.Tensor:
+        """A denoising step's input [batch, T, H]: `<timestep>` (+ Distil's `<guidance>`,
+        `<timestep_r>`) and the image tokens of `latents`, the same for every CFG row."""
+        model = self.model
         t = t.to(model.device)
         tokens = [model.timestep_tokens(t)]
         if model.config.cfg_distilled:  # official: torch.tensor([1000 * g], dtype=bfloat16)
@@ -323,12 +368,16 @@ class DiTGenerator:
         if model.config.use_meanflow:
             tokens.append(model.timestep_r_tokens(t_r.to(model.device)))
         tokens.append(model.image_tokens(latents, t)[0])
-        x = torch.cat(tokens).unsqueeze(0)
-        x = x.expand(batch, -1, -1)
-        compiled = kernels.enabled("compile", x, "on")
-        hidden = (step_cache.forward(model, x, positions, mask, cache, compiled=compiled) if step_cache is not None
-                  else model.forward_layers(x, positions, mask, cache, compiled=compiled))
-        out = model.image_output(hidden[:, len(tokens) - 1:], t.expand(batch), gen.h, gen.w).float()
+        return torch.cat(tokens).unsqueeze(0).expand(batch, -1, -1)
+
+    def guided(self, hidden: torch.Tensor, seq: Sequence, t: torch.Tensor, guidance: float,
+               guidance_rescale: float = 0.0) -> torch.Tensor:
+        """The last layer's hidden states -> the velocity: the image head, then classifier-free
+        guidance over the [cond; uncond] rows."""
+        model, gen = self.model, seq.gen_image
+        batch = hidden.shape[0]
+        special = gen.start - gen.timestep_index  # <timestep> (+ <guidance>, <timestep_r>) before the image
+        out = model.image_output(hidden[:, special:], t.to(model.device).expand(batch), gen.h, gen.w).float()
         if batch == 1 and self._cfg_split(guidance > 1.0 and not model.config.cfg_distilled):
             out = model.parallel.gather_cfg(out)  # CFG parallel: the other group computed the other row
         elif batch == 1:

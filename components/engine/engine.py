@@ -44,13 +44,14 @@ class Engine:
     def load(cls, model: str = "tiny", weights: str | Path | None = None, device: str = "cpu",
              dtype: str | None = None, seed: int = 0, dummy_weights: bool = False,
              tensor_parallel_size: int = 1, quantization: str | None = None,
-             moe_drop_tokens: bool = False, parallel: Any = None) -> "Engine":
+             moe_drop_tokens: bool = False, parallel: Any = None,
+             pipeline_parallel_size: int = 1) -> "Engine":
         """`model`: a preset, a checkpoint directory or a Hugging Face repo id (local cache only).
 
         weights: where the safetensors live when not beside config.json. Presets and
         dummy_weights=True draw seeded random weights instead (the `dummy` load format).
-        parallel: this rank's ParallelContext when the step runs tensor parallel (the launcher
-        creates it); tensor_parallel_size must match it.
+        parallel: this rank's ParallelContext when the step runs tensor / pipeline parallel (the
+        launcher creates it); tensor_parallel_size and pipeline_parallel_size must match it.
         """
         resolved = resolve_model(model)
         config, tokenizer, generation_config, system_prompts = describe(resolved)
@@ -62,6 +63,9 @@ class Engine:
                                          and not parallel.cfg_parallel):
             raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the launcher's process group "
                              "(run the step program with --tensor-parallel-size, it starts the ranks)")
+        if pipeline_parallel_size != (1 if parallel is None else parallel.pp_size):
+            raise ValueError(f"pipeline_parallel_size {pipeline_parallel_size} needs the launcher's process group "
+                             "(run the step program with --pipeline-parallel-size, it starts the ranks)")
         if quantization not in (None, "", "none", "fp8"):
             raise ValueError(f"quantization {quantization!r}: supported is fp8")
         if config.torch_dtype == "float32" and device != "cpu":
@@ -85,7 +89,8 @@ class Engine:
         else:
             stats = materialize(net, device, weights_dir, seed, quantize=quantization == "fp8")
         net.quantization = quantization if quantization == "fp8" else None
-        for layer in net.model.layers:
+        for i in net.stage_layers:
+            layer = net.model.layers[i]
             if hasattr(layer.mlp, "drop_tokens"):
                 layer.mlp.drop_tokens = moe_drop_tokens
         net.eval()
@@ -158,7 +163,8 @@ def materialize(net: HunyuanImage3ForCausalMM, device: str | torch.device, weigh
     net.to_empty(device=device)
     net.model.layers = layers
     total = fill(skip=("model.layers.",))
-    for i, layer in enumerate(layers):
+    for i in net.stage_layers:  # this pipeline stage's layers (the others are placeholders)
+        layer = layers[i]
         layer.to_empty(device=device)
         part = fill(prefix=f"model.layers.{i}.")
         quantize_model_fp8_(layer)

@@ -16,6 +16,16 @@ code itself knows nothing about ranks. Per decoder layer, over N ranks:
 - embeddings, lm_head, norms, timestep embedders, patch embed / final layer, VAE and ViT are
   replicated (sampling sees full logits).
 
+Pipeline parallel (`pp_size` stages, composable with the above): stage s holds the contiguous
+decoder layers `stage_layers(L, pp_size, s)` (earlier stages one more when L does not divide);
+the other layers are `AbsentLayer` placeholders (no parameters, never read from the checkpoint),
+so parameter names stay global. Everything that is not a decoder layer (~4B parameters: wte,
+lm_head, ln_f, embedders, patch embed / final layer, ViT, VAE) is replicated on every stage, so
+every stage builds the same inputs and takes the same decisions. Ranks of a model copy:
+global rank = pp_rank * tp + tp_rank; a stage's TP group is its tp ranks, and a rank's pipeline
+neighbours are the same tp rank in the adjacent stages (`transformer.forward_layers` hands the
+hidden states on with send/recv; see also `pipeline_schedule.py`).
+
 `model.load_slices` records which ranges of each checkpoint tensor this rank holds, so the loader
 reads only those (`safe_open(...).get_slice`) and dummy init draws exactly the slices of the full
 tensors.
@@ -64,11 +74,57 @@ class ParallelContext:
     cfg_rank: int = 0  # 0: cond row, 1: uncond row
     cfg_group: object = None  # the 2-rank group {this rank, its twin in the other CFG group}
     local_only: bool = False  # all_reduce_ leaves tensors as they are (see collectives_off)
+    pp_rank: int = 0  # pipeline stage
+    pp_size: int = 1  # pipeline stages
+    pp_group: object = None  # this tp rank in every stage: activations go stage to stage in it
+    pp_return_group: object = None  # the same ranks on a second communicator: the last stage -> stage 0
 
     @property
     def is_first(self) -> bool:
-        """The rank that reads the shard and writes the outputs."""
-        return self.rank == 0 and self.cfg_rank == 0
+        """The rank that reads the shard and writes the outputs (TP rank 0 of stage 0)."""
+        return self.rank == 0 and self.cfg_rank == 0 and self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """The global rank of this tp rank in pipeline stage `stage`."""
+        return stage * self.world_size + self.rank
+
+    @_collective
+    def send_stage(self, tensor: torch.Tensor, stage: int, back: bool = False) -> None:
+        """Send to this tp rank of `stage` (`back`: on the return communicator)."""
+        import torch.distributed as dist
+
+        dist.send(tensor.contiguous(), self.stage_rank(stage), group=self.pp_return_group if back else self.pp_group)
+
+    @_collective
+    def isend_stage(self, tensor: torch.Tensor, stage: int, back: bool = False):
+        """`send_stage` without waiting: returns the torch.distributed Work (keep `tensor` until it is done)."""
+        import torch.distributed as dist
+
+        return dist.isend(tensor, self.stage_rank(stage), group=self.pp_return_group if back else self.pp_group)
+
+    @_collective
+    def wait_all(self, works: list) -> None:
+        for work in works:
+            work.wait()
+
+    @_collective
+    def recv_stage(self, tensor: torch.Tensor, stage: int, back: bool = False) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.recv(tensor, self.stage_rank(stage), group=self.pp_return_group if back else self.pp_group)
+        return tensor
+
+    @_collective
+    def broadcast_from_last_stage_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's `tensor` on every stage (so every stage returns the same hidden states)."""
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, self.stage_rank(self.pp_size - 1), group=self.pp_group)
+        return tensor
 
     @_collective
     def gather_cfg(self, row: torch.Tensor) -> torch.Tensor:
@@ -106,27 +162,50 @@ class ParallelContext:
             dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 
+    def _decision_group(self):
+        """Where ranks agree on a branch: the TP group, or every rank of the copy under pipeline
+        parallelism (the default group: one copy per process group)."""
+        return None if self.pp_size > 1 else self.group
+
     @_collective
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (so ranks take the same branch)."""
-        if self.world_size == 1:
+        if self.world_size == 1 and self.pp_size == 1:
             return flag
         t = torch.tensor([1 if flag else 0], device=self.device, dtype=torch.int32)
         import torch.distributed as dist
 
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._decision_group())
         return bool(t.item())
 
     @_collective
     def broadcast_object(self, obj, src: int = 0):
         """A picklable object from rank `src` to every rank (rank 0 reads, everyone computes)."""
-        if self.world_size == 1:
+        if self.world_size == 1 and self.pp_size == 1:
             return obj
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, src=src, group=self._decision_group())
         return box[0]
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The decoder layers of pipeline stage `pp_rank`: contiguous, earlier stages one more when
+    `num_layers` does not divide."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"--pipeline-parallel-size {pp_size}: the model has {num_layers} decoder layers "
+                         f"(at most {num_layers} stages)")
+    size, extra = divmod(num_layers, pp_size)
+    start = pp_rank * size + min(pp_rank, extra)
+    return range(start, start + size + (1 if pp_rank < extra else 0))
+
+
+class AbsentLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no parameters, never called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this decoder layer lives on another pipeline stage")
 
 
 def split(total: int, world: int, rank: int, what: str) -> tuple[int, int]:
@@ -278,13 +357,22 @@ def _parallel_attention(attn: Attention, ctx: ParallelContext, prefix: str, slic
 
 
 def parallelize(model: HunyuanImage3ForCausalMM, ctx: ParallelContext) -> HunyuanImage3ForCausalMM:
-    """Slice a meta-device model for rank ctx.rank of ctx.world_size (in place; returns it)."""
+    """Slice a meta-device model for rank ctx.rank of ctx.world_size in stage ctx.pp_rank of
+    ctx.pp_size (in place; returns it)."""
     model.parallel = ctx
-    if ctx.world_size == 1:
+    if ctx.world_size == 1 and ctx.pp_size == 1:
         return model
     slices = LoadSlices()
+    layers = model.model.layers
+    if ctx.pp_size > 1:
+        model.stage_layers = stage_layers(len(layers), ctx.pp_size, ctx.pp_rank)
+        away = [i for i in range(len(layers)) if i not in model.stage_layers]
+        for i in away:
+            layers[i] = AbsentLayer()
+        slices.skip = tuple(f"model.layers.{i}." for i in away)
     with torch.device("meta"):
-        for i, layer in enumerate(model.model.layers):
+        for i in model.stage_layers if ctx.world_size > 1 else ():
+            layer = layers[i]
             prefix = f"model.layers.{i}"
             _parallel_attention(layer.self_attn, ctx, f"{prefix}.self_attn", slices)
             mlp = layer.mlp

@@ -470,6 +470,8 @@ def load_pretrained_fp8(model: nn.Module, directory: str | Path, strict: bool = 
     for path in checkpoint_files(directory):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
+                if slices.skip and name.startswith(slices.skip):
+                    continue  # another pipeline stage's decoder layer
                 m = _EXPERT.match(name)
                 target = None
                 if m and m["prefix"] in experts:

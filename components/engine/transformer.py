@@ -72,7 +72,11 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str, rows: int | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | str, rows: int | None = None,
+                 first_layer: int = 0) -> None:
+        # first_layer: a pipeline stage's cache holds layers [first_layer, first_layer + num_layers)
+        # only; `update` takes the global layer index, `k[i]` / `v[i]` are the stage's i-th layer
+        self.first_layer = first_layer
         # rows > batch: buffers with spare batch rows for the static-shape decode (kernels/decode.py),
         # which pads the batch up to a bucket; `k` / `v` show the first `batch` rows
         shape = (max(rows or batch, batch), kv_heads, capacity, head_dim)
@@ -93,6 +97,7 @@ class KVCache:
         end = self.length + t
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
+        layer -= self.first_layer
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v
         self._pending = t
@@ -109,7 +114,8 @@ class KVCache:
         if any(r.length != length for r in rows):
             raise ValueError("rows must have equal prefix lengths to be stacked")
         k0 = rows[0].k[0]
-        out = cls(len(rows[0].k), len(rows), k0.shape[1], k0.shape[3], length + extra_capacity, k0.dtype, k0.device)
+        out = cls(len(rows[0].k), len(rows), k0.shape[1], k0.shape[3], length + extra_capacity, k0.dtype, k0.device,
+                  first_layer=rows[0].first_layer)
         for layer in range(len(out.k)):
             out.k[layer][:, :, :length] = torch.cat([r.k[layer][:, :, :length] for r in rows])
             out.v[layer][:, :, :length] = torch.cat([r.v[layer][:, :, :length] for r in rows])
@@ -461,6 +467,7 @@ class HunyuanImage3ForCausalMM(nn.Module):
         self.time_embed_2 = TimestepEmbedder(hidden)
         self.model = HunyuanImage3Model(cfg)
         self.lm_head = nn.Linear(hidden, cfg.vocab_size, bias=False)
+        self.stage_layers = range(cfg.num_hidden_layers)  # the decoder layers this pipeline stage holds
 
     @property
     def dtype(self) -> torch.dtype:
@@ -471,9 +478,19 @@ class HunyuanImage3ForCausalMM(nn.Module):
         return self.model.wte.weight.device
 
     def new_cache(self, batch: int, capacity: int, rows: int | None = None) -> KVCache:
-        attn = self.model.layers[0].self_attn  # per-rank head count under tensor parallelism
-        return KVCache(len(self.model.layers), batch, attn.num_kv_heads, attn.head_dim, capacity,
-                       self.dtype, self.device, rows)
+        attn = self.first_attention()  # per-rank head count under tensor parallelism
+        return KVCache(len(self.stage_layers), batch, attn.num_kv_heads, attn.head_dim, capacity,
+                       self.dtype, self.device, rows, first_layer=self.stage_layers.start)
+
+    def first_attention(self) -> "Attention":
+        """The attention of this stage's first decoder layer (its head counts are this rank's)."""
+        return self.model.layers[self.stage_layers.start].self_attn
+
+    @property
+    def pipeline(self):
+        """This rank's ParallelContext when the model runs in several pipeline stages, else None."""
+        parallel = getattr(self, "parallel", None)
+        return parallel if parallel is not None and parallel.pp_size > 1 else None
 
     def kv_hash(self) -> str:
         """What a prompt's K/V depends on besides its tokens: the config, and how the weights are
@@ -525,8 +542,10 @@ class HunyuanImage3ForCausalMM(nn.Module):
         or None (one mask object for all layers: a SlotMask makes its dense or block mask once).
         `compiled`: run each layer through its torch.compile'd regions (DiT denoising steps).
         `layers`: run only these decoder layers (the DiT step cache runs the first one apart)."""
+        if self.pipeline is not None and layers is None:
+            return self._forward_stages(x, positions, mask, cache, compiled)
         cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
-        indices = layers if layers is not None else range(len(self.model.layers))
+        indices = layers if layers is not None else self.stage_layers
         if compiled:
             from .kernels.compiled_layers import run_layers
 
@@ -534,6 +553,22 @@ class HunyuanImage3ForCausalMM(nn.Module):
         for i in indices:
             x = self.model.layers[i](x, cos, sin, mask, cache, i)
         return x
+
+
+    def _forward_stages(self, x: torch.Tensor, positions: torch.Tensor, mask, cache: KVCache | None,
+                        compiled: bool) -> torch.Tensor:
+        """forward_layers across pipeline stages, one after the other: stage 0 runs its layers on
+        x, each next stage receives the hidden states (x's shape: every stage built x), runs its
+        layers and sends them on; the last stage's output is broadcast back, so every stage returns
+        the same hidden states (and takes the same decisions from them)."""
+        pp = self.pipeline
+        if pp.pp_rank > 0:
+            x = pp.recv_stage(torch.empty_like(x, memory_format=torch.contiguous_format), pp.pp_rank - 1)
+        x = self.forward_layers(x, positions, mask, cache, compiled, layers=self.stage_layers)
+        if not pp.is_last_stage:
+            pp.send_stage(x, pp.pp_rank + 1)
+            x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return pp.broadcast_from_last_stage_(x.contiguous())
 
 
 def attention_mask(q_slots: torch.Tensor, k_slots: torch.Tensor, q_blocks: torch.Tensor,

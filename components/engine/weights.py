@@ -50,10 +50,12 @@ class LoadSlices:
             axis (dim 1 is an expert weight's first dim).
     experts: stacked-experts parameter name (`model.layers.i.mlp.experts.gate_and_up_proj`) ->
              (first, end): the global expert ids this rank holds.
+    skip: name prefixes this rank does not hold at all (another pipeline stage's decoder layers).
     """
 
     ranges: dict[str, tuple[int, list[tuple[int, int]], int]] = field(default_factory=dict)
     experts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    skip: tuple[str, ...] = ()
 
 
 @dataclass
@@ -168,12 +170,13 @@ def load_pretrained(model: nn.Module, directory: str | Path, strict: bool = True
     """
     from safetensors import safe_open
 
-    def wanted(name: str) -> bool:
-        return name.startswith(prefix) and not name.startswith(skip_prefixes or ("\0",))
-
     t0 = time.perf_counter()
     stats = LoadStats()
     slices: LoadSlices = getattr(model, "load_slices", None) or LoadSlices()
+    skip_prefixes = tuple(skip_prefixes) + slices.skip  # another pipeline stage's layers are not read
+
+    def wanted(name: str) -> bool:
+        return name.startswith(prefix) and not name.startswith(skip_prefixes or ("\0",))
     params = model.state_dict(keep_vars=True)
     expected = {name for name, _ in official_tensors(model) if wanted(name)}
     seen: set[str] = set()

@@ -52,10 +52,11 @@ def decode_mode(model) -> str:
 
     `decode_graphs=auto` picks graphs for CUDA bf16; `on` forces the static step anywhere (eager on
     the CPU and in other dtypes, whose per-expert MoE loop reads counts back to the host and so
-    cannot be captured). Tensor-parallel ranks (world size > 1) always decode plainly."""
+    cannot be captured). Tensor-parallel ranks (world size > 1) and pipeline stages always decode
+    plainly."""
     weight = model.model.wte.weight
     parallel = getattr(model, "parallel", None)
-    if parallel is not None and parallel.world_size > 1:
+    if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1):
         return "plain"
     if not enabled("decode_graphs", weight, "on"):
         return "plain"

@@ -1,0 +1,105 @@
+"""Step programs on pipeline-parallel ranks (CPU, gloo), through real jobs on the embedded stores.
+
+- a job at --pipeline-parallel-size 2 gives the one-process images (>= 60 dB) with KV reused, and
+  so do AR at PP2 -> DiT at TP1 and AR at TP1 -> DiT at PP2 (the KV payload is layout independent);
+- a killed stage fails the DiT step cleanly (RankFailed naming the rank, nothing committed) and a
+  re-run resumes;
+- the step program takes --pp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from components.data.runs import RunLayout
+from components.errors import ConfigError
+from components.ranks import RankFailed
+from components.steps import run_step
+
+from .test_engine_helpers import psnr
+from .test_steps_parallel import AR, GEN, _image, _rows, _shard
+
+
+def _job(dataset: str, output: str, run_id: str, ar: dict, dit: dict) -> None:
+    _shard(dataset, output, run_id)
+    common = dict(output=output, run_id=run_id, shard=0, model="tiny", device="cpu", seed=0)
+    run_step("components.ar.run:run", {**common, **AR, **ar})
+    run_step("components.dit.run:run", {**common, **GEN, **dit})
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from components.data.sample import write_sample_edit_dataset
+
+    return str(write_sample_edit_dataset(tmp_path_factory.mktemp("data") / "edit.parquet", n=2))
+
+
+@pytest.fixture(scope="module")
+def baseline(dataset, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("runs"))
+    _job(dataset, out, "tp1", {}, {})
+    return out
+
+
+PP2 = {"pipeline_parallel_size": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ar,dit", [(PP2, PP2), (PP2, {}), ({}, PP2)], ids=["pp2-pp2", "pp2-tp1", "tp1-pp2"])
+def test_pipeline_steps_match_one_process(dataset, baseline, tmp_path, ar, dit):
+    out = str(tmp_path)
+    _job(dataset, out, "pp", ar, dit)
+    ref, got = _rows(baseline, "tp1"), _rows(out, "pp")
+    assert set(got) == set(ref) and all(r["status"] == "ok" for r in got.values())
+    for row_id, row in got.items():
+        assert row["kv_path"] == "reuse", row["kv_reason"]
+        assert row["cot_text"] == ref[row_id]["cot_text"]
+        assert psnr(_image(out, "pp", row), _image(baseline, "tp1", ref[row_id])) >= 60
+    kv_dir = os.path.join(out, "pp", "_kv")  # the embedded KV store: every part consumed
+    assert not os.path.exists(kv_dir) or not any(files for _, _, files in os.walk(kv_dir))
+
+
+@pytest.mark.slow
+def test_a_killed_stage_fails_the_step_and_a_rerun_resumes(dataset, baseline, tmp_path):
+    out = str(tmp_path)
+    _shard(dataset, out, "kill")
+    common = dict(output=out, run_id="kill", shard=0, model="tiny", device="cpu", seed=0)
+    run_step("components.ar.run:run", {**common, **AR, **PP2})
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 failed: exited with code -9 \(killed or crashed\)"):
+        run_step("tests.parallel_targets:dit_killing_stage1", {**common, **GEN, **PP2})
+    layout = RunLayout.open(out, "kill")
+    assert not layout.is_committed(0)
+    run_step("components.dit.run:run", {**common, **GEN, **PP2})
+    assert layout.is_committed(0)
+    rows = _rows(out, "kill")
+    assert sorted(rows) == sorted(_rows(baseline, "tp1")) and all(r["status"] == "ok" for r in rows.values())
+
+
+def test_pipeline_options_are_checked_before_any_work(tmp_path):
+    common = dict(output=str(tmp_path), run_id="x", shard=0, model="tiny", device="cpu")
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size 3: the model has 2 decoder layers"):
+        run_step("components.dit.run:run", {**common, "pipeline_parallel_size": 3})
+    with pytest.raises(ConfigError, match="--step-cache 0.1: does not combine with --pipeline-parallel-size"):
+        from components.dit.run import run
+
+        run(**common, step_cache=0.1, pipeline_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_the_dit_step_program_runs_at_pp2(dataset, tmp_path):
+    out = str(tmp_path)
+    _shard(dataset, out, "cli")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    common = ["--output", out, "--run-id", "cli", "--shard", "0", "--model", "tiny", "--device", "cpu", "--pp", "2"]
+    for module, extra in (("components.ar", ["--max-new-tokens", "6", "--greedy"]), ("components.dit", ["--steps", "2"])):
+        done = subprocess.run([sys.executable, "-m", module, *common, *extra], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["rows"] == 2 and RunLayout.open(out, "cli").is_committed(0)
+    assert all(r["kv_path"] == "reuse" for r in _rows(out, "cli").values())
