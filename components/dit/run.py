@@ -86,6 +86,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             job = pending[i]
             fetches[i] = kv_io.fetch(kv_key(run_id, shard, job.id), ar_rows.get(job.id))
 
+    transient: list[tuple[str, str]] = []  # rows the AR step failed for a passing reason: left for a resume
     try:
         for i, job in enumerate(pending):
             fetch(i)
@@ -93,7 +94,10 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                 fetch(i + 1)  # row k+1's KV travels while row k denoises
             ar_row = ar_rows.get(job.id)
             key = kv_key(run_id, shard, job.id)
-            if ar_row is None or ar_row["status"] != "ok":
+            if ar_row is not None and ar_row["status"] != "ok" and ar_row.get("error_kind") == "transient":
+                fetches.pop(i).result()
+                transient.append((job.id, ar_row["error"]))
+            elif ar_row is None or ar_row["status"] != "ok":
                 fetches.pop(i).result()
                 out_io.error(job.id, ar_row["error"] if ar_row else
                              "no AR output for this row (AR step not run or failed)", key)
@@ -105,6 +109,11 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             out_io.check()
             progress.advance(task, 1)
         out_io.drain()
+        if transient:
+            first_id, first_error = transient[0]
+            raise RuntimeError(f"shard {shard}: {len(transient)} row(s) failed in the AR step for a transient reason "
+                               f"(first: row {first_id}: {first_error}); the other rows are recorded, resume the run "
+                               "to retry these")
         marker = writer.commit() if owner else {}
         kv_io.forget(f"{run_id}/{shard}", prefix=True)
     finally:
