@@ -70,6 +70,7 @@ def _kv(out) -> list[torch.Tensor]:
     return out.prompt_kv.keys + out.prompt_kv.values
 
 
+@pytest.mark.slow
 def test_rows_joining_and_leaving_get_the_tokens_they_get_alone(engine, forced, greedy_alone):
     reqs = _requests()
     results, stats = _stream(engine, reqs, GREEDY, Admission(max_rows=2, max_num_batched_tokens=CHUNK))
@@ -82,6 +83,7 @@ def test_rows_joining_and_leaving_get_the_tokens_they_get_alone(engine, forced, 
         assert results[req.id].cot_text == greedy_alone[req.id].cot_text
 
 
+@pytest.mark.slow
 def test_batch_invariant_rows_are_bitwise_their_alone_selves(engine, forced):
     previous = kernels.configure(batch_invariant="on")
     try:
@@ -96,6 +98,7 @@ def test_batch_invariant_rows_are_bitwise_their_alone_selves(engine, forced):
         kernels.configure(previous)
 
 
+@pytest.mark.slow
 def test_the_scheduler_gives_the_static_batch_tokens(engine):
     """Same rows through the static batch (ARGenerator.__call__) and the scheduler: same greedy CoTs."""
     reqs = _requests(3)
@@ -104,11 +107,12 @@ def test_the_scheduler_gives_the_static_batch_tokens(engine):
     assert [results[o.id].generated_ids for o in static] == [o.generated_ids for o in static]
 
 
+@pytest.mark.slow
 def test_chunked_prefill_equals_one_prefill(engine):
     req = _requests(1)[0]  # an edit row: image blocks, which a chunk never splits
     whole, s1 = _stream(engine, [req], GREEDY, Admission(max_rows=1, max_num_batched_tokens=100_000))
     chunked, s2 = _stream(engine, [req], GREEDY, Admission(max_rows=1, max_num_batched_tokens=16))
-    assert s1["prefill_chunks"] == 1 and s2["prefill_chunks"] > 4
+    assert s1["prefill_chunks"] == 1 and s2["prefill_chunks"] >= 3
     a, b = whole[req.id], chunked[req.id]
     assert a.generated_ids == b.generated_ids
     assert max((x - y).abs().max().item() for x, y in zip(_kv(a), _kv(b))) <= 1e-5
@@ -125,6 +129,7 @@ def test_chunks_never_split_an_image_block():
     assert ends == [6, 9, 10]
 
 
+@pytest.mark.slow
 def test_an_oom_halves_the_batch_and_every_row_completes(engine, forced, monkeypatch, greedy_alone):
     reqs = _requests()
     fired = []
@@ -152,6 +157,7 @@ def test_negative_control_an_oom_without_recovery_would_fail_rows(engine, monkey
         engine.generate_ar(_requests(2), GREEDY)
 
 
+@pytest.mark.slow
 def test_a_row_that_cannot_fit_alone_fails_naming_its_size(engine, forced):
     reqs = _requests(3)  # r0: an edit row (hundreds of prompt tokens); r1, r2: short T2I rows
     per_token = ar_scheduler.kv_bytes_per_token(engine.model)
@@ -167,6 +173,7 @@ def test_a_row_that_cannot_fit_alone_fails_naming_its_size(engine, forced):
     assert stats["failed"] == 1
 
 
+@pytest.mark.slow
 def test_an_oom_with_the_row_alone_fails_only_that_row(engine, forced, monkeypatch):
     reqs = _requests(3)
 
@@ -191,10 +198,13 @@ def test_forced_cot_lengths():
             ForcedCot(bad)
 
 
+@pytest.mark.slow
 def test_forced_cot_sets_each_rows_length(engine, forced):
     results, _ = _stream(engine, _requests(3), SamplingParams(temperature=0, max_new_tokens=100), Admission())
+    closing = 7  # </think> <recaption> </recaption> <answer> <boi> <img_size> ratio: a shorter length gets these
     for rid, out in results.items():
-        assert len(out.generated_ids) == ForcedCot(FORCED).length(rid)
+        assert len(out.generated_ids) == max(closing, ForcedCot(FORCED).length(rid))
+    assert {len(out.generated_ids) for out in results.values()} != {closing}
 
 
 def test_bench_cot_needs_dummy_weights(monkeypatch):

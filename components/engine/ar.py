@@ -188,7 +188,8 @@ class ForcedCot:
     of that median (sigma ln(HI/LO) / 4, clamped to [LO, HI]), drawn from a hash of the row id, so a
     row gets the same length in every run and arm. Random weights would end a CoT at an arbitrary
     token: until the length, the special tokens (end tags, ratio tokens, ...) are never sampled;
-    at it, the row closes its stages as when its budget runs out (`ARGenerator._how`)."""
+    at it, the row closes its stages as when its budget runs out (`ARGenerator._how`); a length
+    shorter than that closing path (end tags, forced transitions, ratio token) gets the path."""
 
     ENV = "ARDIT_BENCH_COT_TOKENS"
 
