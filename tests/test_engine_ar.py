@@ -398,7 +398,8 @@ def test_ids_past_the_tokenizer_are_sampled_and_decoded_as_officially(engine, mo
     hf = torch.softmax(TopKLogitsWarper(20)(None, flat[None].clone())[0], -1)
     for seed in range(8):  # the same draws as HF's sampling from the same stream
         g = torch.Generator().manual_seed(seed)
-        assert ar._sample(flat, sampled, torch.Generator().manual_seed(seed)) == int(torch.multinomial(hf, 1, generator=g))
+        ours = ar._sample(flat, sampled, torch.Generator().manual_seed(seed))
+        assert ours == int(torch.multinomial(hf, 1, generator=g))
     assert any(ar._sample(flat, sampled, torch.Generator().manual_seed(s)) >= known for s in range(8))
 
     official = PreTrainedTokenizerFast(tokenizer_object=ar.tok._backend)

@@ -39,7 +39,7 @@ import torch
 
 from . import kernels
 from .inputs import embed_span
-from .kernels.decode import SPAN_STEP, DeviceSampler, StaticDecoder, batch_bucket
+from .kernels.decode import SPAN_STEP, DeviceSampler, StaticDecoder
 from .transformer import KVCache, SlotMask
 
 CPU_ROWS = 8  # rows in flight on the CPU with --batch-size auto (no memory probe there)
@@ -67,8 +67,10 @@ def kv_bytes_per_token(model) -> int:
 
 def activation_reserve(model, chunk_tokens: int, max_rows: int = 64) -> int:
     """Bytes kept free for activations: a prefill chunk through one layer (attention, the routed
-    experts' inputs and hidden states), the decode graphs' pool and logits, plus 1 GiB of slack.
-    An estimate: an OOM still only halves the batch."""
+    experts' inputs and hidden states; a chunk grows to the end of an image block, up to a 1024x1024
+    image's 4096 latent tokens), the decode graphs' pool and logits, plus 1 GiB of slack. An
+    estimate: an OOM still only halves the batch."""
+    chunk_tokens = max(chunk_tokens, 4096 + 1024)
     cfg = model.config
     topk = max(cfg.moe_topk) if isinstance(cfg.moe_topk, list) else cfg.moe_topk
     inter = max(cfg.moe_intermediate_size) if isinstance(cfg.moe_intermediate_size, list) \
@@ -97,6 +99,8 @@ class Admission:
         cap = None if batch_size == "auto" else int(batch_size)
         if model.device.type != "cuda":
             return cls(cap or CPU_ROWS, None, tokens, gpu_memory_utilization)
+        gc.collect()
+        torch.cuda.empty_cache()  # blocks cached by an earlier step (a DiT in this process) are free memory
         free, total = torch.cuda.mem_get_info(model.device)
         budget = int(total * gpu_memory_utilization) - (total - free) - activation_reserve(model, tokens)
         parallel = getattr(model, "parallel", None)
@@ -437,7 +441,7 @@ class ARScheduler:
         for seq in rows:
             self._leave(seq)
             seq.row, seq.length, seq.prefill_s, seq.decode_s, seq.steps, seq.batch_sum = None, 0, 0.0, 0.0, 0, 0
-        pool_rows = self.stats.pool_rows
+        pool_rows = self.pool.k_rows[0].shape[0] if self.pool is not None else 0
         self._release()
         oom = is_out_of_memory(error)
         self.stats.events.append(f"{type(error).__name__} with {len(rows)} row(s) in flight")
@@ -481,6 +485,3 @@ class ARScheduler:
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
 
-
-__all__ = ["Admission", "ARScheduler", "RowTooLarge", "activation_reserve", "batch_bucket", "is_out_of_memory",
-           "kv_bytes_per_token"]
