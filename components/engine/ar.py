@@ -25,6 +25,10 @@ kernel setting `batch_invariant=on` (`--batch-invariant`) every row runs as its 
 its tokens and K/V are bitwise independent of its batch and shard (cost: decode steps are no longer
 shared; see benchmarks/moe_kernels.py).
 
+`ARGenerator.__call__` runs its requests as one static batch (above); `ARGenerator.stream` runs the
+same row logic with continuous batching (ar_scheduler.py: rows join and leave the decode batch, each
+prefilled alone in chunks, K/V in per-row slots), which is what the AR step uses.
+
 Where `decode_graphs` selects it (auto: CUDA bf16, world size 1), the decode runs the static-shape
 step of kernels/decode.py, replayed as CUDA graphs, and picks every row's token on the device. Sampled
 tokens then follow each row's CUDA generator, seeded with the row's seed: the same seed gives the same
