@@ -129,7 +129,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens)
         engine.ar.forced_cot = forced_cot
         try:
-            scheduler = engine.ar.stream(requests, on_result, sampling, export_kv, admission)
+            stats = engine.ar.stream(requests, on_result, sampling, export_kv, admission)
         finally:
             engine.ar.forced_cot = None
         puts.wait()
@@ -147,7 +147,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     progress.finish(task)
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
             "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant,
-            "ar_scheduler": {k: scheduler[k] for k in ("mean_batch", "peak_rows", "pool_rows", "decode_steps",
+            "ar_scheduler": {k: stats[k] for k in ("mean_batch", "peak_rows", "pool_rows", "decode_steps",
                                                        "prefill_chunks", "oom_retries")}}
 
 
