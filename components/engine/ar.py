@@ -606,6 +606,8 @@ class ARGenerator:
         if n == 0:
             return None
         lo = row.offset
-        keys = [k[b, :, lo:lo + n].transpose(0, 1).contiguous() for k in cache.k]
-        values = [v[b, :, lo:lo + n].transpose(0, 1).contiguous() for v in cache.v]
+        # a copy even where the view already counts as contiguous (one KV head per rank): the
+        # scheduler gives the row's cache slot to the next row while this payload is being put
+        keys = [k[b, :, lo:lo + n].transpose(0, 1).clone(memory_format=torch.contiguous_format) for k in cache.k]
+        values = [v[b, :, lo:lo + n].transpose(0, 1).clone(memory_format=torch.contiguous_format) for v in cache.v]
         return PromptKV(keys, values, full.cond_ids[:n], n, full.neg_reuse_len, self.model_id, self.config_hash)
