@@ -35,31 +35,6 @@ def _gb(n: int) -> float:
     return round(n / 1e9, 2)
 
 
-def _force_full_cot(tokenizer) -> None:
-    """Random weights would end a CoT at an arbitrary token (an end tag, a ratio token): the sampler
-    here never picks a tag, so every stage runs to its budget and the AR costs what a few-hundred-token
-    CoT costs (the engine still closes each stage with its end tags, then the ratio token). Both token
-    choices are patched: the host one (ARGenerator._sample) and the graph decode's (DeviceSampler.pick)."""
-    from components.engine.ar import ARGenerator
-    from components.engine.kernels.decode import DeviceSampler
-    from components.engine.tokenizer import SPECIAL_TOKENS
-
-    banned = [i for i in (tokenizer.token_id(t, required=False) for t in SPECIAL_TOKENS) if i is not None]
-    host_sample, device_pick = ARGenerator._sample, DeviceSampler.pick
-
-    def sample(self, logits, sampling, generator):
-        logits = logits.clone()
-        logits[banned] = float("-inf")
-        return host_sample(self, logits, sampling, generator)
-
-    def pick(self, logits, sample_rows):
-        logits = logits.clone()
-        logits[:, banned] = float("-inf")
-        return device_pick(self, logits, sample_rows)
-
-    ARGenerator._sample, DeviceSampler.pick = sample, pick
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="hunyuan-image-3")
@@ -75,7 +50,7 @@ def main() -> int:
     from PIL import Image
 
     from components.engine import Engine
-    from components.engine.ar import ARRequest, SamplingParams
+    from components.engine.ar import ARRequest, ForcedCot, SamplingParams
     from components.engine.dit import DiTRequest
 
     quant = None if args.quantization in ("", "none") else args.quantization
@@ -87,7 +62,9 @@ def main() -> int:
     result["load_s"] = round(time.perf_counter() - t0, 1)
     result["weights_gb"] = _gb(torch.cuda.memory_allocated()) if torch.cuda.is_available() else None
     print(f"loaded in {result['load_s']} s, {result['weights_gb']} GB on the GPU", flush=True)
-    _force_full_cot(engine.tokenizer)
+    # random weights would end a CoT at an arbitrary token: no tag is sampled, every row runs to the
+    # budget (the engine still closes each stage with its end tags, then the ratio token)
+    engine.ar.forced_cot = ForcedCot(str(args.cot_tokens))
 
     rng = torch.Generator().manual_seed(0)
     pixels = (torch.rand(args.image_size, args.image_size, 3, generator=rng) * 255).to(torch.uint8).numpy()

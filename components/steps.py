@@ -245,8 +245,18 @@ def check_generation_options(*, steps=None, guidance=None, flow_shift=None, bot_
         raise _bad("--top-p", top_p, "must be a number in (0, 1]")
 
 
+def batch_size_value(text: str) -> int | str:
+    """--batch-size as the step programs and the CLI take it: "auto" or a whole number (checked by
+    check_engine_options)."""
+    text = str(text).strip()
+    if text.lower() in ("", "auto", "none", "null"):  # orchestrators pass empty placeholders
+        return "auto"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=1, seed=0,
-                         batch_size=1, device="auto", step_cache=0.0, pipeline_parallel_size=1) -> None:
+                         batch_size=1, device="auto", step_cache=0.0, pipeline_parallel_size=1,
+                         gpu_memory_utilization=0.9, max_num_batched_tokens=None) -> None:
     if dtype is not None and dtype not in DTYPES:
         raise _bad("--dtype", dtype, f"must be one of {', '.join(DTYPES)} (default: the model config's)")
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -257,8 +267,16 @@ def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=
         raise _bad("--pipeline-parallel-size", pipeline_parallel_size, "must be a whole number >= 1")
     if not (_is_int(seed) and 0 <= seed < 2**63):
         raise _bad("--seed", seed, "must be a whole number in [0, 2**63)")
-    if not (_is_int(batch_size) and batch_size >= 1):
-        raise _bad("--batch-size", batch_size, "must be a whole number >= 1")
+    if batch_size != "auto" and not (_is_int(batch_size) and batch_size >= 1):
+        raise _bad("--batch-size", batch_size, "must be auto (rows in flight sized to GPU memory) or a whole "
+                   "number >= 1 (a hard cap on AR rows in flight)")
+    if not (isinstance(gpu_memory_utilization, (int, float)) and not isinstance(gpu_memory_utilization, bool)
+            and 0 < gpu_memory_utilization <= 1):
+        raise _bad("--gpu-memory-utilization", gpu_memory_utilization,
+                   "must be a number in (0, 1]: the share of GPU memory the AR step may fill (default 0.9)")
+    if max_num_batched_tokens is not None and not (_is_int(max_num_batched_tokens) and max_num_batched_tokens >= 1):
+        raise _bad("--max-num-batched-tokens", max_num_batched_tokens,
+                   "must be a whole number >= 1 (prompt tokens prefilled per step; default 2048)")
     if not (isinstance(step_cache, (int, float)) and not isinstance(step_cache, bool)
             and math.isfinite(step_cache) and 0 <= step_cache < 1):
         raise _bad("--step-cache", step_cache, "must be a number in [0, 1) (first-block change threshold; 0 = off, "
@@ -268,6 +286,24 @@ def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=
                    "runs the first layer apart); drop one of them")
     check_device_name(device)
     check_kernel_settings()
+
+
+def check_bench_cot(model: str, weights: str | None, dummy_weights: bool) -> Any:
+    """ARDIT_BENCH_COT_TOKENS (benchmarks): the parsed ForcedCot, or None when unset. Only with
+    dummy weights (the tiny preset without weights is random too): real weights must write their
+    own CoT."""
+    spec = os.environ.get("ARDIT_BENCH_COT_TOKENS")
+    if not spec:
+        return None
+    from components.engine.ar import ForcedCot
+
+    if not (dummy_weights or (model == "tiny" and weights is None)):
+        raise ConfigError(f"ARDIT_BENCH_COT_TOKENS={spec!r}: forces CoT lengths for benchmarks on dummy weights "
+                          "only; unset it, or pass --dummy-weights")
+    try:
+        return ForcedCot(spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_kernel_settings() -> None:

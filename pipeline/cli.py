@@ -87,7 +87,12 @@ NoKVReuse = Annotated[bool, typer.Option(
 Seed = Annotated[int, typer.Option("--seed", help="base seed for rows without their own `seed` column")]
 Dataset = Annotated[str, typer.Argument(help="the dataset: a Parquet file, a directory of them, or "
                                               "s3://bucket/prefix (columns: see the README)")]
-BatchSize = Annotated[int, typer.Option("--batch-size", help="rows per batched AR prefill/decode")]
+BatchSize = Annotated[str, typer.Option("--batch-size", help="AR rows in flight: auto (sized to GPU memory; 8 on "
+                                        "the CPU) or a hard cap")]
+GpuMemoryUtilization = Annotated[float, typer.Option(
+    "--gpu-memory-utilization", help="share of GPU memory the AR step may fill (weights, K/V, activations)")]
+MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(
+    "--max-num-batched-tokens", help="AR prompt tokens prefilled per step, between decode steps (default 2048)")]
 BatchInvariant = Annotated[bool, typer.Option(
     "--batch-invariant", help="each row's AR computed alone: its CoT, K/V and image are bitwise independent of "
     "its batch and shard (slower AR decode)")]
@@ -168,15 +173,19 @@ def _job_command(kind: str):
         device: Device = "auto", steps: Steps = None, guidance: Guidance = None, flow_shift: FlowShift = None,
         bot_task: BotTask = None, system_prompt: SystemPrompt = None, max_new_tokens: MaxNewTokens = None,
         temperature: Temperature = None, top_k: TopK = None, top_p: TopP = None, greedy: Greedy = False,
-        no_kv_reuse: NoKVReuse = False, seed: Seed = 0, batch_size: BatchSize = 8, step_cache: StepCache = 0.0,
-        batch_invariant: BatchInvariant = False,
+        no_kv_reuse: NoKVReuse = False, seed: Seed = 0, batch_size: BatchSize = "auto", step_cache: StepCache = 0.0,
+        batch_invariant: BatchInvariant = False, gpu_memory_utilization: GpuMemoryUtilization = 0.9,
+        max_num_batched_tokens: MaxNumBatchedTokens = None,
     ) -> None:
+        from components.steps import batch_size_value
+
         _run(kind, dataset, output, run_id, num_shards=num_shards, kv_store=kv_store, model=model, weights=weights,
              dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
              dtype=dtype, device=device, steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
              system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-             top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=batch_size,
-             step_cache=step_cache, batch_invariant=batch_invariant)
+             top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=batch_size_value(batch_size),
+             step_cache=step_cache, batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
+             max_num_batched_tokens=max_num_batched_tokens)
 
     return command
 

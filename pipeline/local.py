@@ -17,9 +17,10 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
             steps: int | None = None, guidance: float | None = None, flow_shift: float | None = None, seed: int = 0,
             kv_reuse: bool = True, dtype: str | None = None, temperature: float | None = None,
             top_k: int | None = None, top_p: float | None = None, greedy: bool = False, bot_task: str | None = None,
-            system_prompt: str | None = None, batch_size: int = 8, max_new_tokens: int | None = None,
+            system_prompt: str | None = None, batch_size: int | str = "auto", max_new_tokens: int | None = None,
             device: str = "auto", save_latents: bool = False, ar_from_run: str | None = None, step_cache: float = 0.0,
-            batch_invariant: bool = False, progress: bool | str = "auto",
+            batch_invariant: bool = False, gpu_memory_utilization: float = 0.9,
+            max_num_batched_tokens: int | None = None, progress: bool | str = "auto",
             on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run a whole batch job; returns summary.json's content. Re-running a run id resumes it.
 
@@ -31,9 +32,11 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
-    from components.steps import rank_pool, run_step
+    from components.steps import check_bench_cot, check_engine_options, rank_pool, run_step
     from components.summary.run import run as run_summary
 
+    check_engine_options(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
+    check_bench_cot(model, weights, dummy_weights)
     generation = dict(steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
                       system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_k=top_k, top_p=top_p)
@@ -67,7 +70,8 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
             if not ar_from_run:
                 run_step("components.ar.run:run", dict(
                     output=output, run_id=run_id, shard=shard, batch_size=batch_size, export_kv=kv_reuse,
-                    batch_invariant=batch_invariant,
+                    batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
+                    max_num_batched_tokens=max_num_batched_tokens,
                     **{k: gen[k] for k in ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k",
                                            "top_p")}, **engine), bars, pool=pool)
             run_step("components.dit.run:run", dict(

@@ -371,3 +371,65 @@ def test_to_record_does_not_copy_the_kv():
     rec = out.to_record()
     assert "prompt_kv" not in rec and rec["cond_images"][0]["vit_grid"] == (2, 2)
     assert _DeepcopyProbe.copies == 0
+
+
+# --------------------------------------------------------------------------- the official vocabulary and fallbacks
+def test_ids_past_the_tokenizer_are_sampled_and_decoded_as_officially(engine, monkeypatch):
+    """The official pipeline samples with HF `generate` over the whole output vocabulary, so ids at or
+    past the tokenizer's length can be picked; its tokenizer (transformers' fast tokenizer) decodes
+    them to nothing. Golden: HF's warpers + multinomial, and PreTrainedTokenizerFast.decode."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    from components.engine.kernels.decode import DeviceSampler
+
+    ar = engine.ar
+    known, vocab = ar.tok.vocab_size, engine.model.config.vocab_size
+    assert vocab > known
+    unknown = known + 5
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    logits[unknown] = 30.0
+    greedy = SamplingParams(temperature=0, max_new_tokens=4).resolved(ar.generation_config)
+    assert ar._sample(logits, greedy, torch.Generator()) == unknown
+    assert DeviceSampler(greedy, ar.tok.ratio_choice_ids, [torch.Generator()])(logits[None], [True])[0][1] == unknown
+    sampled = SamplingParams(temperature=1.0, top_k=20, top_p=1.0, max_new_tokens=4).resolved(ar.generation_config)
+    flat = torch.zeros(vocab)
+    flat[known - 10:known + 10] = 5.0  # the top 20 straddle the tokenizer's end
+    hf = torch.softmax(TopKLogitsWarper(20)(None, flat[None].clone())[0], -1)
+    for seed in range(8):  # the same draws as HF's sampling from the same stream
+        g = torch.Generator().manual_seed(seed)
+        ours = ar._sample(flat, sampled, torch.Generator().manual_seed(seed))
+        assert ours == int(torch.multinomial(hf, 1, generator=g))
+    assert any(ar._sample(flat, sampled, torch.Generator().manual_seed(s)) >= known for s in range(8))
+
+    official = PreTrainedTokenizerFast(tokenizer_object=ar.tok._backend)
+    ids = ar.tok.encode("a red fox") + [unknown, known] + ar.tok.encode(" at dawn")
+    assert ar.tok.decode(ids) == official.decode(ids, clean_up_tokenization_spaces=False)
+
+    # end to end: a CoT of such ids keeps them as generated and decodes them as the official tokenizer
+    logits_of = engine.model.text_logits
+    monkeypatch.setattr(engine.model, "text_logits", lambda h: logits_of(h).index_fill(
+        -1, torch.tensor([unknown], device=h.device), 1e4))
+    out = engine.generate_ar([ARRequest("u", "a cat", [], bot_task="think", seed=1)],
+                             SamplingParams(temperature=0, max_new_tokens=6))[0]
+    assert unknown in out.generated_ids
+    end = out.generated_ids.index(engine.ar.tok.think_end) + 1
+    assert out.cot_text == "<think>" + official.decode(out.generated_ids[:end], clean_up_tokenization_spaces=False)
+
+
+def test_missing_sampling_keys_fall_back_to_transformers_defaults():
+    """The official path reads generation_config.json through transformers: a key the file lacks
+    takes transformers' GenerationConfig default; a key it has keeps its value."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    from components.engine.generation_config import GenerationConfig
+
+    hf = HFGenerationConfig()
+    if hf.temperature is None:  # transformers >= 5 applies its defaults at generate time
+        hf = HFGenerationConfig(**{k: v for k, v in HFGenerationConfig._get_default_generation_params().items()
+                                   if k in ("temperature", "top_k", "top_p")})
+    gc = GenerationConfig.from_dict({"do_sample": True})
+    assert (gc.temperature, gc.top_k, gc.top_p) == (hf.temperature, hf.top_k, hf.top_p) == (1.0, 50, 1.0)
+    released = GenerationConfig.from_dict({"do_sample": True, "temperature": 0.6, "top_k": 1024, "top_p": 0.95})
+    assert (released.temperature, released.top_k, released.top_p) == (0.6, 1024, 0.95)
+    assert (tiny_generation_config().temperature, tiny_generation_config().top_k) == (0.6, 1024)

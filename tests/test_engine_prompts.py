@@ -135,9 +135,10 @@ def test_generation_config_from_file(tmp_path):
 
 def test_generation_config_defaults_and_overrides():
     gc = GenerationConfig.from_dict({})
-    # the released base generation_config.json values and the official code's own fallbacks
+    # the released base generation_config.json values and the official code's own fallbacks; sampling
+    # keys a file lacks fall back to transformers' GenerationConfig defaults, as the official path
     assert (gc.diff_infer_steps, gc.diff_guidance_scale, gc.flow_shift) == (50, 5.0, 3.0)
-    assert (gc.temperature, gc.top_k, gc.top_p, gc.max_new_tokens, gc.max_length) == (0.6, 1024, 0.95, 2048, 12800)
+    assert (gc.temperature, gc.top_k, gc.top_p, gc.max_new_tokens, gc.max_length) == (1.0, 50, 1.0, 2048, 12800)
     assert (gc.sequence_template, gc.use_system_prompt, gc.bot_task, gc.drop_think) == ("pretrain", "None", "image",
                                                                                          False)
     assert GenerationConfig.from_dict({"use_system_prompt": None}).use_system_prompt == "None"

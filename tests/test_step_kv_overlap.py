@@ -162,29 +162,34 @@ def test_unreachable_store_means_recompute_not_a_crash(ar_done, monkeypatch):
 
 
 def test_failing_ar_step_deletes_what_it_put(tmp_path, monkeypatch):
-    from components.ar.run import run as run_ar
+    from components.ar import run as ar_run
     from components.data.sample import write_sample_generate_dataset
+    from components.engine.ar import ARGenerator
     from components.kvstore import open_store
     from components.shard.run import run as run_shard
-    from components.steps import default_kv_store, load_engine
+    from components.steps import default_kv_store
 
     dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=3, seed=4)
     output, run_id = str(tmp_path / "out"), "fail"
     run_shard(dataset, output, run_id, 1, "generate")
-    engine = load_engine("tiny", None, "cpu", None, 0)
-    real = type(engine).generate_ar
-    calls = []
+    real_finish, real_put = ARGenerator._finish, ar_run._BackgroundPuts._put
+    finished, put = [], []
 
-    def second_batch_dies(self, requests, sampling=None, export_kv=True):
-        calls.append(len(requests))
-        if len(calls) == 2:
+    def second_row_dies(self, row, b, cache):
+        finished.append(row.request.id)
+        if len(finished) == 2:
             raise KeyboardInterrupt  # as Ctrl-C (or a kill signal turned into an exception) would
-        return real(self, requests, sampling, export_kv)
+        return real_finish(self, row, b, cache)
 
-    monkeypatch.setattr(type(engine), "generate_ar", second_batch_dies)
+    def recorded_put(self, key, kv):
+        put.append(key)
+        return real_put(self, key, kv)
+
+    monkeypatch.setattr(ARGenerator, "_finish", second_row_dies)
+    monkeypatch.setattr(ar_run._BackgroundPuts, "_put", recorded_put)
     store = open_store(default_kv_store(output, run_id))
     with pytest.raises(KeyboardInterrupt):
-        run_ar(output, run_id, 0, max_new_tokens=TOKENS, device="cpu", batch_size=2)
-    assert calls == [2, 1]  # the first batch was put, then the step died
+        ar_run.run(output, run_id, 0, max_new_tokens=TOKENS, device="cpu", batch_size=2)
+    assert len(finished) == 2 and len(put) == 1  # the first row was put, then the step died
     assert store.keys() == []  # ... and deleted what it had put on its way out
     assert not (tmp_path / "out" / run_id / "shards" / "0" / "ar.parquet").exists()

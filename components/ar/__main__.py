@@ -12,6 +12,7 @@ from components.steps import (
     BOT_TASKS,
     StepArgumentParser,
     add_engine_args,
+    batch_size_value,
     engine_kwargs,
     optional_bool,
     optional_float,
@@ -25,7 +26,12 @@ from components.steps import (
 def main(argv: list[str] | None = None) -> int:
     p = StepArgumentParser(prog="python -m components.ar", description=__doc__)
     add_engine_args(p)
-    p.add_argument("--batch-size", type=int, default=8, help="rows per batched prefill/decode (default 8)")
+    p.add_argument("--batch-size", type=batch_size_value, default="auto",
+                   help="AR rows in flight: auto (sized to GPU memory; 8 on the CPU) or a hard cap (default auto)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory the AR step may fill with weights, K/V and activations (default 0.9)")
+    p.add_argument("--max-num-batched-tokens", type=optional_int, default=None,
+                   help="prompt tokens prefilled per scheduler step, between decode steps (default 2048)")
     p.add_argument("--bot-task", type=optional_str, default=None, choices=[None, *BOT_TASKS],
                    help="what the AR writes before the image (default: generation config)")
     p.add_argument("--system-prompt", type=optional_str, default=None,
@@ -47,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = dict(output=args.output, run_id=args.run_id, shard=args.shard, batch_size=args.batch_size,
                       bot_task=args.bot_task, system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
-                      batch_invariant=args.batch_invariant, **engine_kwargs(args))
+                      batch_invariant=args.batch_invariant, gpu_memory_utilization=args.gpu_memory_utilization,
+                      max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
         with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
             result = run_step("components.ar.run:run", kwargs, progress)
         print(json.dumps(result))

@@ -1,11 +1,16 @@
 """AR step: one shard's rows -> CoT, ratio token and prompt KV.
 
     check the options; remember the settings (a resumed run must bring the same ones)
-    for each batch of pending rows:
-        batched prefill + CoT decode + ratio token          (engine.generate_ar)
-        kv.put(run/shard/row, prompt KV)                     in the background, while the next
-                                                             batch decodes (the DiT step reads it)
-    ar.parquet: one row per pending input row (ok with the AR record, or error)
+    the pending rows through the continuous-batching scheduler (engine.ar.stream,
+    engine/ar_scheduler.py): rows in flight sized to GPU memory (--batch-size auto) or capped,
+    chunked prefill, CoT decode + ratio token; as each row finishes:
+        kv.put(run/shard/row, prompt KV)                     in the background, while the other
+                                                             rows decode (the DiT step reads it)
+    ar.parquet: one row per pending input row (ok with the AR record, or error with its kind)
+
+Error kinds: "input" (the row itself is bad: never retried) and "transient" (out of memory, a
+failure that may not recur): the DiT step leaves a transient row unrecorded and fails the shard
+retryably after the other rows, so a resume (or the orchestrator's retry) runs it again.
 
 Rows whose image is already committed by the DiT step are skipped (resume). ar.parquet is written
 once, atomically, at the end; a killed AR step leaves nothing the DiT step would trust, and a
@@ -26,6 +31,7 @@ from components.kvstore.base import delete_quietly
 from components.progress import LogProgress, NoProgress
 from components.steps import (
     AR_SETTINGS,
+    check_bench_cot,
     check_engine_options,
     default_kv_store,
     kv_key,
@@ -46,23 +52,28 @@ def ar_settings(model: str, weights: str | None, dummy_weights: bool, dtype: str
 
 def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: str | None = None,
         dummy_weights: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
-        kv_store: str | None = None, batch_size: int = 8, bot_task: str | None = None,
+        kv_store: str | None = None, batch_size: int | str = "auto", bot_task: str | None = None,
         system_prompt: str | None = None, max_new_tokens: int | None = None, temperature: float | None = None,
         top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int = 0,
         device: str = "cpu", dtype: str | None = None, export_kv: bool = True, batch_invariant: bool = False,
-        progress: Any = None, parallel: Any = None,
-        pipeline_parallel_size: int = 1) -> dict[str, Any]:
+        gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
+        progress: Any = None, parallel: Any = None, pipeline_parallel_size: int = 1) -> dict[str, Any]:
     """Run the AR step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
     tensor-parallel launcher (components.ranks), None in one process. `batch_invariant`: each row
     runs as its own batch, so its CoT and K/V do not depend on the other rows of its batch or shard
-    (the kernel setting batch_invariant=on, for this step only)."""
+    (the kernel setting batch_invariant=on, for this step only). `batch_size`: "auto" (rows in
+    flight sized to `gpu_memory_utilization` of the GPU) or a hard cap; `max_num_batched_tokens`:
+    the prefill chunk (engine/ar_scheduler.py)."""
     from components.engine import ARRequest, SamplingParams, kernels
+    from components.engine.ar_scheduler import Admission, is_out_of_memory
 
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          seed=seed, batch_size=batch_size, device=device,
-                         pipeline_parallel_size=pipeline_parallel_size)
+                         pipeline_parallel_size=pipeline_parallel_size,
+                         gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
+    forced_cot = check_bench_cot(model, weights, dummy_weights)
     gen = resolve_generation(model, greedy=greedy, bot_task=bot_task, system_prompt=system_prompt,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
@@ -76,7 +87,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         skipped = "committed"
     else:
         pending = layout.shard_writer(shard).pending()
-        if pending and {j.id for j in pending} <= set(read_ar_rows(layout, shard)):
+        settled = {i for i, r in read_ar_rows(layout, shard).items() if r.get("error_kind") != "transient"}
+        if pending and {j.id for j in pending} <= settled:
             skipped = "ar.parquet covers all pending rows"
     if skipped:
         progress.skip(f"AR  shard {shard}", skipped)
@@ -95,32 +107,41 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     puts.expire_orphans()
     previous_kernels = kernels.configure(batch_invariant="on" if batch_invariant else "off")
     fallbacks_before = kernels.fallbacks()
+    fallbacks_seen = [fallbacks_before]  # the next ok row carries the fallbacks since the last one
+
+    def on_result(request: Any, result: Any) -> None:
+        """A row finished (or failed): record it, and put its KV while the other rows decode on."""
+        if isinstance(result, BaseException):
+            kind = "input" if isinstance(result, ValueError) and not is_out_of_memory(result) else "transient"
+            rows.append(_error_row(request.id, f"AR failed: {type(result).__name__}: {result}", kind))
+        else:
+            row = _ok_row(result)
+            row["kernel_fallbacks"] = kernels.fallbacks() - fallbacks_seen[0]
+            fallbacks_seen[0] += row["kernel_fallbacks"]
+            rows.append(row)
+            if store is not None and result.prompt_kv is not None:
+                puts.add(row, run_id, shard, result.prompt_kv)
+            result.prompt_kv = None  # the put holds the only reference now
+        progress.advance(task, 1)
+
     try:
-        for start in range(0, len(pending), batch_size):
-            batch = pending[start:start + batch_size]
-            requests = []
-            for job in batch:
-                try:
-                    requests.append(ARRequest(job.id, job.text or "", job.pil_images(), job.size_wh() or "auto",
-                                              gen["bot_task"], gen["system_prompt"], job.effective_seed(seed)))
-                except Exception as e:  # noqa: BLE001 - one bad row must not sink the shard
-                    rows.append(_error_row(job.id, f"AR input: {e}"))
-            batch_fallbacks = kernels.fallbacks()
-            results = _generate(engine, requests, sampling, export_kv)
-            batch_fallbacks = kernels.fallbacks() - batch_fallbacks  # the batch's first ok row carries them
-            for request, result in zip(requests, results):
-                if isinstance(result, Exception):
-                    rows.append(_error_row(request.id, f"AR failed: {type(result).__name__}: {result}"))
-                    continue
-                row = _ok_row(result)
-                row["kernel_fallbacks"], batch_fallbacks = batch_fallbacks, 0
-                rows.append(row)
-                if store is not None and result.prompt_kv is not None:
-                    puts.add(row, run_id, shard, result.prompt_kv)
-                result.prompt_kv = None  # the put holds the only reference now
-            puts.flush()  # this batch's payloads go out while the next batch decodes
-            progress.advance(task, len(batch))
+        requests = []
+        for job in pending:
+            try:
+                requests.append(ARRequest(job.id, job.text or "", job.pil_images(), job.size_wh() or "auto",
+                                          gen["bot_task"], gen["system_prompt"], job.effective_seed(seed)))
+            except Exception as e:  # noqa: BLE001 - one bad row must not sink the shard
+                rows.append(_error_row(job.id, f"AR input: {e}", "input"))
+                progress.advance(task, 1)
+        admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens)
+        engine.ar.forced_cot = forced_cot
+        try:
+            stats = engine.ar.stream(requests, on_result, sampling, export_kv, admission)
+        finally:
+            engine.ar.forced_cot = None
         puts.wait()
+        order = {job.id: i for i, job in enumerate(pending)}
+        rows.sort(key=lambda r: order[r["id"]])
         if owner:
             write_ar_rows(layout, shard, rows)
             layout.write_json(layout.step_timing_key(shard, "ar"), {"load_s": round(load_s, 3)})
@@ -134,26 +155,29 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     progress.finish(task)
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
             "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant,
-            "kernel_fallbacks": kernels.fallbacks() - fallbacks_before}
+            "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
+            "ar_scheduler": {k: stats[k] for k in ("mean_batch", "peak_rows", "pool_rows", "decode_steps",
+                                                   "prefill_chunks", "oom_retries")}}
 
 
 class _BackgroundPuts:
-    """Puts one batch's payloads on a background thread while the caller decodes the next batch.
+    """Puts finished rows' payloads on a background thread while the scheduler decodes on.
 
-    At most one batch is in flight: `flush()` first waits for the previous one, so memory holds
-    the KV of two batches at most. A row's kv_key / kv_bytes / kv_put_s / kv_error are filled in
-    when its put finishes; a failed put leaves kv_error (the DiT step recomputes and says why)."""
+    A put starts as soon as its row finishes; at most `max_in_flight` wait or run at once (`add`
+    first waits for the oldest), so memory holds that many exported KV payloads at most. A row's
+    kv_key / kv_bytes / kv_put_s / kv_error are filled in when its put finishes; a failed put
+    leaves kv_error (the DiT step recomputes and says why)."""
 
-    def __init__(self, store: Any, engine: Any = None):
+    def __init__(self, store: Any, engine: Any = None, max_in_flight: int = 2):
         from components.kvparts import rank_heads, rank_layers
 
         self.store = store
+        self.max_in_flight = max_in_flight
         # under tensor / pipeline parallelism each rank stores only its KV heads of its layers
         # (components/kvparts.py)
         self.heads = rank_heads(engine) if engine is not None else None
         self.layers = (rank_layers(engine), engine.config.num_hidden_layers) if engine is not None else (None, None)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kv-put") if store is not None else None
-        self.queued: list[tuple[dict[str, Any], str, Any]] = []
         self.in_flight: list[tuple[dict[str, Any], str, Future]] = []
         self.stored: list[str] = []  # keys put so far, head parts included (deleted if the step fails)
         self.waited_s = 0.0  # time the decode loop spent waiting for puts
@@ -175,7 +199,9 @@ class _BackgroundPuts:
         except ValueError as e:  # e.g. a run id + row key over the store's key length
             row["kv_error"] = f"no KV key for this row: {e}"
             return
-        self.queued.append((row, key, kv))
+        while len(self.in_flight) >= self.max_in_flight:
+            self._collect(*self.in_flight.pop(0))
+        self.in_flight.append((row, key, self.pool.submit(self._put, key, kv)))
 
     def _put(self, key: str, kv: Any) -> tuple[int | None, float, str | None]:
         from components.kvparts import put_heads
@@ -192,27 +218,23 @@ class _BackgroundPuts:
         except Exception as e:  # noqa: BLE001 - the DiT step will recompute and say why
             return None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
 
-    def flush(self) -> None:
-        self.wait()
-        self.in_flight = [(row, key, self.pool.submit(self._put, key, kv)) for row, key, kv in self.queued]
-        self.queued = []
+    def _collect(self, row: dict[str, Any], key: str, fut: Future) -> None:
+        t0 = time.perf_counter()
+        size, put_s, error = fut.result()
+        self.waited_s += time.perf_counter() - t0
+        row["kv_put_s"] = put_s
+        if error is None:
+            row["kv_key"], row["kv_bytes"] = key, size
+        else:
+            row["kv_error"] = error
 
     def wait(self) -> None:
-        t0 = time.perf_counter()
-        for row, key, fut in self.in_flight:
-            size, put_s, error = fut.result()
-            row["kv_put_s"] = put_s
-            if error is None:
-                row["kv_key"], row["kv_bytes"] = key, size
-            else:
-                row["kv_error"] = error
-        self.waited_s += time.perf_counter() - t0
-        self.in_flight = []
+        while self.in_flight:
+            self._collect(*self.in_flight.pop(0))
 
     def abandon(self) -> None:
         if self.pool is None:
             return
-        self.queued = []
         try:
             self.wait()  # let a put in progress finish, so its key is known and can be deleted
         except BaseException:  # noqa: BLE001 - a second Ctrl-C: give up on the waiting, not on the deletes
@@ -224,37 +246,14 @@ class _BackgroundPuts:
                   f"store's TTL, or run `ardit store clean URL --run RUN`)", file=sys.stderr)
 
 
-def _generate(engine, requests, sampling, export_kv: bool = True) -> list:
-    """Outputs for a batch; if the batch fails, rows one by one so a bad row names itself."""
-    if not requests:
-        return []
-    from components.engine.parallel import RankLost
-
-    try:
-        return engine.generate_ar(requests, sampling, export_kv)
-    except RankLost:
-        raise  # another rank died: the step fails, nothing is committed
-    except Exception:  # noqa: BLE001
-        results = []
-        for r in requests:
-            try:
-                results.append(engine.generate_ar([r], sampling, export_kv)[0])
-            except RankLost:
-                raise
-            except Exception as e:  # noqa: BLE001
-                results.append(e)
-        return results
-
-
 def _ok_row(out) -> dict[str, Any]:
-    t = out.timings
-    batch_size = t["ar_batch_size"]  # the batch it ran in (1 when batch invariant or retried alone)
-    return {"id": out.id, "status": "ok", "error": None, "ar_record": json.dumps(out.to_record()),
+    t = out.timings  # the scheduler's: each row's share of the decode steps it took part in
+    return {"id": out.id, "status": "ok", "error": None, "error_kind": None, "ar_record": json.dumps(out.to_record()),
             "kv_key": None, "kv_bytes": None, "kv_put_s": None, "kv_error": None,
-            # batch times are shared: each row carries its share
-            "ar_prefill_s": t["ar_prefill_s"] / batch_size, "ar_decode_s": t["ar_decode_s"] / batch_size,
+            "ar_prefill_s": t["ar_prefill_s"], "ar_decode_s": t["ar_decode_s"],
             "prompt_tokens": t["prompt_tokens"], "generated_tokens": t["generated_tokens"]}
 
 
-def _error_row(row_id: str, error: str) -> dict[str, Any]:
-    return {"id": row_id, "status": "error", "error": error}
+def _error_row(row_id: str, error: str, kind: str) -> dict[str, Any]:
+    """kind: "input" (a bad row, never retried) or "transient" (retried by a resume)."""
+    return {"id": row_id, "status": "error", "error": error, "error_kind": kind}

@@ -12,6 +12,7 @@ AR_SCHEMA = pa.schema([
     ("id", pa.string()),
     ("status", pa.string()),  # ok | error
     ("error", pa.string()),
+    ("error_kind", pa.string()),  # input (a bad row: final) | transient (out of memory, ...: a resume retries it)
     ("ar_record", pa.string()),  # AROutput.to_record() as JSON
     ("kv_key", pa.string()),
     ("kv_bytes", pa.int64()),

@@ -95,6 +95,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     from components.engine.pipeline_schedule import rows_in_flight
 
     fallbacks_before = kernels.fallbacks()
+    transient: list[tuple[str, str]] = []  # rows the AR step failed for a passing reason: left for a resume
     group_size = rows_in_flight(engine.model)  # pipeline stages denoise several rows at once
     try:
         for start in range(0, len(pending), group_size):
@@ -106,7 +107,10 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                     fetch(i + group_size)  # the next group's KV travels while this one denoises
                 ar_row = ar_rows.get(job.id)
                 key = kv_key(run_id, shard, job.id)
-                if ar_row is None or ar_row["status"] != "ok":
+                if ar_row is not None and ar_row["status"] != "ok" and ar_row.get("error_kind") == "transient":
+                    fetches.pop(i).result()
+                    transient.append((job.id, ar_row["error"]))
+                elif ar_row is None or ar_row["status"] != "ok":
                     fetches.pop(i).result()
                     out_io.error(job.id, ar_row["error"] if ar_row else
                                  "no AR output for this row (AR step not run or failed)", key)
@@ -118,6 +122,11 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             out_io.check()
             progress.advance(task, min(group_size, len(pending) - start))
         out_io.drain()
+        if transient:
+            first_id, first_error = transient[0]
+            raise RuntimeError(f"shard {shard}: {len(transient)} row(s) failed in the AR step for a transient reason "
+                               f"(first: row {first_id}: {first_error}); the other rows are recorded, resume the run "
+                               "to retry these")
         if owner:
             layout.write_json(layout.step_timing_key(shard, "dit"), {"load_s": round(load_s, 3)})
         marker = writer.commit() if owner else {}

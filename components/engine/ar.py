@@ -25,6 +25,10 @@ kernel setting `batch_invariant=on` (`--batch-invariant`) every row runs as its 
 its tokens and K/V are bitwise independent of its batch and shard (cost: decode steps are no longer
 shared; see benchmarks/moe_kernels.py).
 
+`ARGenerator.__call__` runs its requests as one static batch (above); `ARGenerator.stream` runs the
+same row logic with continuous batching (ar_scheduler.py: rows join and leave the decode batch, each
+prefilled alone in chunks, K/V in per-row slots), which is what the AR step uses.
+
 Where `decode_graphs` selects it (auto: CUDA bf16, world size 1), the decode runs the static-shape
 step of kernels/decode.py, replayed as CUDA graphs, and picks every row's token on the device. Sampled
 tokens then follow each row's CUDA generator, seeded with the row's seed: the same seed gives the same
@@ -178,6 +182,52 @@ class _Row:
     offset: int = 0  # left padding
     generated: list[int] = field(default_factory=list)
     done: bool = False
+    forced_length: int | None = None  # ARDIT_BENCH_COT_TOKENS: the generated tokens this row gets
+
+
+class ForcedCot:
+    """ARDIT_BENCH_COT_TOKENS (benchmarks on dummy weights): every row's CoT runs to a set length.
+
+    `N`: every row generates N tokens; `lognormal:MEDIAN:LO:HI`: a length per row from a lognormal
+    of that median (sigma ln(HI/LO) / 4, clamped to [LO, HI]), drawn from a hash of the row id, so a
+    row gets the same length in every run and arm. Random weights would end a CoT at an arbitrary
+    token: until the length, the special tokens (end tags, ratio tokens, ...) are never sampled;
+    at it, the row closes its stages as when its budget runs out (`ARGenerator._how`); a length
+    shorter than that closing path (end tags, forced transitions, ratio token) gets the path."""
+
+    ENV = "ARDIT_BENCH_COT_TOKENS"
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        parts = spec.split(":")
+        try:
+            if len(parts) == 1:
+                self.median = self.lo = self.hi = int(parts[0])
+            elif len(parts) == 4 and parts[0] == "lognormal":
+                self.median, self.lo, self.hi = (int(p) for p in parts[1:])
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{self.ENV}={spec!r}: expected N or lognormal:MEDIAN:LO:HI (whole numbers)") from None
+        if not 1 <= self.lo <= self.median <= self.hi:
+            raise ValueError(f"{self.ENV}={spec!r}: needs 1 <= LO <= MEDIAN <= HI")
+
+    @classmethod
+    def from_env(cls) -> "ForcedCot | None":
+        import os
+
+        spec = os.environ.get(cls.ENV)
+        return cls(spec) if spec else None
+
+    def length(self, row_id: str) -> int:
+        import math
+        from statistics import NormalDist
+
+        if self.lo == self.hi:
+            return self.lo
+        u = (zlib.crc32(f"cot:{row_id}".encode()) + 0.5) / 2**32
+        sigma = math.log(self.hi / self.lo) / 4
+        return max(self.lo, min(self.hi, round(self.median * math.exp(sigma * NormalDist().inv_cdf(u)))))
 
 
 class ARGenerator:
@@ -192,6 +242,32 @@ class ARGenerator:
         self.config_hash = model.kv_hash()
         self.generation_config = generation_config or tiny_generation_config()
         self.system_prompts = system_prompts or TINY_SYSTEM_PROMPTS
+        self.forced_cot: ForcedCot | None = None  # benchmarks: ARDIT_BENCH_COT_TOKENS (the AR step sets it)
+        self._banned: list[int] | None = None
+
+    def banned_ids(self) -> list[int]:
+        """Ids never sampled: the special tokens while a forced CoT length runs (ForcedCot)."""
+        if self.forced_cot is None:
+            return []
+        if self._banned is None:
+            from .tokenizer import SPECIAL_TOKENS
+
+            self._banned = [i for i in (self.tok.token_id(t, required=False) for t in SPECIAL_TOKENS) if i is not None]
+        return self._banned
+
+    @torch.no_grad()
+    def stream(self, requests: list[ARRequest], on_result, sampling: SamplingParams | None = None,
+               export_kv: bool = True, admission=None) -> dict:
+        """Continuous batching (engine/ar_scheduler.py): each request's AROutput, or the exception
+        that failed it, goes to `on_result(request, result)` as soon as the row finishes, while the
+        other rows decode on. `admission`: an ar_scheduler.Admission (default: this device's). The
+        scheduler's statistics."""
+        from .ar_scheduler import Admission, ARScheduler
+
+        sampling = (sampling or SamplingParams()).resolved(self.generation_config)
+        scheduler = ARScheduler(self, sampling, admission or Admission.for_model(self.model), export_kv)
+        with self.model.autocast():
+            return scheduler.run(requests, on_result)
 
     # -- public -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -276,6 +352,8 @@ class ARGenerator:
         row = _Row(req, bot_task, system_prompt, seq, cond, gen, transitions, stop, closing,
                    size_id if need_ratio and bot_task != "auto" else None, fixed_ratio, last=seq.cond_ids[-1])
         row.done = bot_task == "image" and not need_ratio  # a fixed size needs no AR token (official)
+        if self.forced_cot is not None:
+            row.forced_length = self.forced_cot.length(req.id)
         return row
 
     def _prefill(self, rows: list[_Row], sampling: SamplingParams, cache_rows: int | None = None):
@@ -367,7 +445,7 @@ class ARGenerator:
         generators = [r.generator if model.device.type == "cpu"
                       else torch.Generator(model.device).manual_seed(request_seed(r.request.seed, r.request.id))
                       for r in rows]
-        sampler = DeviceSampler(sampling, self.tok.vocab_size, self.tok.ratio_choice_ids, generators)
+        sampler = DeviceSampler(sampling, self.tok.ratio_choice_ids, generators, self.banned_ids())
         steps = 0
         while True:
             how = [None if r.done else self._how(r, sampling) for r in rows]
@@ -380,6 +458,12 @@ class ARGenerator:
             logits = decoder.step(next_ids)
             steps += 1
 
+    @staticmethod
+    def _limit(row: _Row, sampling: SamplingParams) -> int:
+        """The row's budget of generated tokens (a forced CoT length caps it)."""
+        return sampling.max_new_tokens if row.forced_length is None else min(sampling.max_new_tokens,
+                                                                             row.forced_length)
+
     def _how(self, row: _Row, sampling: SamplingParams) -> str | int:
         """How a live row's next token is chosen: "pending" (a forced stage transition), "ratio"
         (the greedy ratio choice), a closing token id (out of budget), or "sample"."""
@@ -389,7 +473,7 @@ class ARGenerator:
             return "ratio"
         if row.bot_task != "auto":
             closing = self._closing_path(row)
-            if closing and len(row.generated) + len(closing) >= sampling.max_new_tokens:
+            if closing and len(row.generated) + len(closing) >= self._limit(row, sampling):
                 return closing[0]  # out of budget: close the CoT (see module docstring)
         return "sample"
 
@@ -417,7 +501,7 @@ class ARGenerator:
         if not row.pending and token in row.transitions and token not in row.completed:
             row.completed.add(token)  # a stage transition fires once per tag
             row.pending = list(row.transitions[token])
-        if token in row.stop_ids or (row.bot_task == "auto" and len(row.generated) >= sampling.max_new_tokens):
+        if token in row.stop_ids or (row.bot_task == "auto" and len(row.generated) >= self._limit(row, sampling)):
             row.done = True
             return None
         return token
@@ -449,12 +533,16 @@ class ARGenerator:
         return path
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
-        """HF `generate`'s sampling: greedy argmax, or temperature -> top-k -> top-p then multinomial."""
+        """HF `generate`'s sampling over the whole output vocabulary (ids past the tokenizer's length
+        included, as the official pipeline): greedy argmax, or temperature -> top-k -> top-p then
+        multinomial."""
         from transformers.generation.logits_process import (
             TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
         scores = logits.float().cpu().clone().unsqueeze(0)
-        scores[:, self.tok.vocab_size:] = float("-inf")  # padded vocab rows are never tokens
+        banned = self.banned_ids()
+        if banned:
+            scores[:, banned] = float("-inf")
         if sampling.greedy:
             return int(scores[0].argmax())
         scores = TemperatureLogitsWarper(sampling.temperature)(None, scores)
@@ -518,6 +606,8 @@ class ARGenerator:
         if n == 0:
             return None
         lo = row.offset
-        keys = [k[b, :, lo:lo + n].transpose(0, 1).contiguous() for k in cache.k]
-        values = [v[b, :, lo:lo + n].transpose(0, 1).contiguous() for v in cache.v]
+        # a copy even where the view already counts as contiguous (one KV head per rank): the
+        # scheduler gives the row's cache slot to the next row while this payload is being put
+        keys = [k[b, :, lo:lo + n].transpose(0, 1).clone(memory_format=torch.contiguous_format) for k in cache.k]
+        values = [v[b, :, lo:lo + n].transpose(0, 1).clone(memory_format=torch.contiguous_format) for v in cache.v]
         return PromptKV(keys, values, full.cond_ids[:n], n, full.neg_reuse_len, self.model_id, self.config_hash)

@@ -1,10 +1,11 @@
 """Generation settings: the checkpoint's `generation_config.json`, field for field.
 
 Fields carry the official key names. A key the file lacks takes the value of the released
-HunyuanImage-3.0 generation_config.json (steps 50, guidance 5.0, flow shift 3.0, sampled AR at
-temperature 0.6 / top_k 1024 / top_p 0.95, max_length 12800) or the official code's own fallback
-(`sequence_template` "pretrain", `use_system_prompt` "None", `max_new_tokens` 2048 as
-`generate_image`, `drop_think` False). Keys the engine does not use (eos_token_id, moe_impl, ...)
+HunyuanImage-3.0 generation_config.json (steps 50, guidance 5.0, flow shift 3.0, max_length 12800)
+or the official code's own fallback (`sequence_template` "pretrain", `use_system_prompt` "None",
+`max_new_tokens` 2048 as `generate_image`, `drop_think` False). The sampling keys fall back as the
+official path does, to transformers' GenerationConfig defaults: temperature 1.0, top_k 50, top_p 1.0
+(the released files set 0.6 / 1024 / 0.95 themselves, and those values are kept). Keys the engine does not use (eos_token_id, moe_impl, ...)
 are kept in `extra`.
 
 `temperature` 0 (or `do_sample` false) means greedy decoding.
@@ -32,9 +33,9 @@ class GenerationConfig:
     sequence_template: str = "pretrain"
     max_new_tokens: int = 2048
     do_sample: bool = True
-    temperature: float = 0.6
-    top_k: int = 1024
-    top_p: float = 0.95
+    temperature: float = 1.0  # transformers' fallbacks (the released files set 0.6 / 1024 / 0.95)
+    top_k: int = 50
+    top_p: float = 1.0
     drop_think: bool = False
     max_length: int = 12800
     extra: dict[str, Any] = field(default_factory=dict)

@@ -91,15 +91,17 @@ class DecodeMask:
 
 
 class _SlotWriter:
-    """Stands in for the KVCache in `Attention.forward`: writes the step's K/V at the device slot
-    and returns the static span of the cache."""
+    """Stands in for the KVCache in `Attention.forward`: writes the step's K/V at each row's device
+    slot and returns the static span of the cache rows."""
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], slot: torch.Tensor, span: int) -> None:
-        self.k, self.v, self.slot, self.span = k, v, slot, span
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], slots: torch.Tensor, span: int) -> None:
+        self.k, self.v, self.span = k, v, span
+        self.slots = slots  # [rows] the slot each row writes
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k[layer].index_copy_(2, self.slot, k)
-        self.v[layer].index_copy_(2, self.slot, v)
+        at = self.slots.view(-1, 1, 1, 1).expand(k.shape)  # k [rows, kv_heads, 1, head_dim]
+        self.k[layer].scatter_(2, at, k)
+        self.v[layer].scatter_(2, at, v)
         return self.k[layer][:, :, :self.span], self.v[layer][:, :, :self.span]
 
 
@@ -112,11 +114,16 @@ def _capture_autocast():
 
 
 class StaticDecoder:
-    """One AR batch's decode steps at static shapes (see the module docstring).
+    """Decode steps at static shapes over a KV cache's rows (see the module docstring).
 
-    cache: the prefilled KVCache, allocated with `batch_bucket(batch)` rows; valid [batch,
+    cache: the prefilled KVCache (its `k_rows` are the rows a step may run over); valid [batch,
     capacity] bool: which slots hold real tokens after the prefill; offsets: each row's left
     padding; graphs: capture and replay CUDA graphs (else run the same step eagerly).
+
+    A step feeds rows [lo, lo + n) of the cache, padded to a batch bucket (at most the cache's rows),
+    each row writing its own slot: a static batch passes no slots (all rows write `cache.length`);
+    the continuous-batching scheduler (engine/ar_scheduler.py) passes each row's own length. One
+    graph per (first row, padded batch, span); all graphs share one memory pool.
     """
 
     def __init__(self, model, cache, valid: torch.Tensor, offsets: list[int], pad_id: int,
@@ -124,7 +131,7 @@ class StaticDecoder:
         self.model, self.cache = model, cache
         self.batch = len(offsets)
         self.rows = cache.k_rows[0].shape[0]
-        self.capacity = cache.capacity
+        self.capacity = cache.k_rows[0].shape[2]
         self.pad_id = pad_id
         self.use_graphs = graphs
         device = model.device
@@ -135,59 +142,73 @@ class StaticDecoder:
         offs[:self.batch] = torch.tensor(offsets, dtype=torch.long)
         self.offsets = offs.to(device)
         self.slots = torch.arange(self.capacity, device=device)
-        # per step: token ids [n], live flags [n], the cache slot [1]
-        self.inputs = torch.zeros(2 * n + 1, dtype=torch.long, device=device)
-        self._host = torch.zeros(2 * n + 1, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per step: token ids [n], live flags [n], each row's cache slot [n]
+        self.inputs = torch.zeros(3 * n, dtype=torch.long, device=device)
+        self._host = torch.zeros(3 * n, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if graphs and device.type == "cuda" else None
         self.graph_error: str | None = None
 
     def span(self, slot: int) -> int:
-        """How many cache slots the step at `slot` attends over."""
+        """How many cache slots the step whose highest write is at `slot` attends over."""
         return min(self.capacity, -(-(slot + 1) // SPAN_STEP) * SPAN_STEP)
 
-    def forward(self, span: int) -> torch.Tensor:
-        """The static step on the current `inputs`: logits [rows, vocab] (float32). Captured as is."""
-        return self.model.text_logits(self.layers(span)[:, -1])
+    def forward(self, span: int, lo: int = 0, n: int | None = None) -> torch.Tensor:
+        """The static step on the current `inputs`: logits [n, vocab] (float32). Captured as is."""
+        return self.model.text_logits(self.layers(span, lo, n)[:, -1])
 
-    def layers(self, span: int) -> torch.Tensor:
-        """The decoder layers of the static step: last hidden states [rows, 1, hidden]."""
-        model, n = self.model, self.rows
-        ids, live, slot = self.inputs[:n], self.inputs[n:2 * n] != 0, self.inputs[2 * n:]
-        self.valid.index_copy_(1, slot, live.unsqueeze(1))  # finished and padded rows feed masked pads
-        keep = self.valid[:, :span] | (self.slots[:span] == slot)  # a query always sees itself
-        positions = (slot - self.offsets).to(torch.float64).view(n, 1, 1).expand(n, 1, 2)
-        writer = _SlotWriter(self.cache.k_rows, self.cache.v_rows, slot, span)
+    def layers(self, span: int, lo: int = 0, n: int | None = None) -> torch.Tensor:
+        """The decoder layers of the static step over cache rows [lo, lo + n): last hidden states
+        [n, 1, hidden]."""
+        model, n = self.model, self.rows if n is None else n
+        ids, live, slot = self.inputs[:n], self.inputs[n:2 * n] != 0, self.inputs[2 * n:3 * n]
+        valid = self.valid[lo:lo + n]
+        valid.scatter_(1, slot.view(n, 1), live.view(n, 1))  # finished and padded rows feed masked pads
+        keep = valid[:, :span] | (self.slots[:span] == slot.view(n, 1))  # a query always sees itself
+        positions = (slot - self.offsets[lo:lo + n]).to(torch.float64).view(n, 1, 1).expand(n, 1, 2)
+        writer = _SlotWriter([k[lo:lo + n] for k in self.cache.k_rows], [v[lo:lo + n] for v in self.cache.v_rows],
+                             slot, span)
         return model.forward_layers(model.embed_ids(ids.view(n, 1)), positions,
                                     DecodeMask(keep.view(n, 1, 1, span)), writer)
 
-    def set_inputs(self, tokens: list[int | None]) -> int:
-        """Copy one step's inputs to the device (None: a finished row, which feeds a masked pad)."""
-        slot = self.cache.length
-        if slot >= self.capacity:
-            raise RuntimeError(f"KV cache overflow: {slot + 1} > capacity {self.capacity}")
-        n = self.rows
-        ids = [self.pad_id if t is None else t for t in tokens] + [self.pad_id] * (n - len(tokens))
-        live = [int(t is not None) for t in tokens] + [0] * (n - len(tokens))
-        self._host.copy_(torch.tensor(ids + live + [slot], dtype=torch.long))
-        self.inputs.copy_(self._host, non_blocking=True)
-        return slot
+    def set_inputs(self, tokens: list[int | None], slots: list[int] | None = None, n: int | None = None) -> int:
+        """Copy one step's inputs for n rows (default: all) to the device (None: a row that feeds a
+        masked pad); each row writes at its slot (default: the cache's length). The highest slot."""
+        n = self.rows if n is None else n
+        slots = [self.cache.length] * n if slots is None else slots
+        if max(slots) >= self.capacity:
+            raise RuntimeError(f"KV cache overflow: {max(slots) + 1} > capacity {self.capacity}")
+        pad = n - len(tokens)
+        ids = [self.pad_id if t is None else t for t in tokens] + [self.pad_id] * pad
+        live = [int(t is not None) for t in tokens] + [0] * pad
+        self._host[:3 * n].copy_(torch.tensor(ids + live + list(slots), dtype=torch.long))
+        self.inputs[:3 * n].copy_(self._host[:3 * n], non_blocking=True)
+        return max(slots)
 
-    def step(self, tokens: list[int | None]) -> torch.Tensor:
-        """Feed one token per row; the next logits [batch, vocab]. The cache's length advances by
-        one, as `KVCache.commit` after a plain step. With graphs, the logits are a static buffer
-        that the next step overwrites."""
-        slot = self.set_inputs(tokens)
-        logits = self.run(self.span(slot))
-        self.cache.length = slot + 1
-        return logits[:self.batch]
+    def step(self, tokens: list[int | None], slots: list[int] | None = None, lo: int = 0) -> torch.Tensor:
+        """Feed one token per row of rows [lo, lo + len(tokens)); the next logits [len(tokens),
+        vocab]. Without `slots` every row writes at the cache's length, which then advances by one
+        (as `KVCache.commit` after a plain step). With graphs, the logits are a static buffer that
+        the next step overwrites."""
+        n = min(batch_bucket(len(tokens)), self.rows - lo)
+        if slots is None:
+            padded = [self.cache.length] * n
+        else:
+            padded = list(slots) + [0] * (n - len(slots))  # spare rows are free: their slot 0 is written later
+        top = self.set_inputs(tokens, padded, n)
+        logits = self.run(self.span(top), lo, n)
+        if slots is None:
+            self.cache.length = top + 1
+        return logits[:len(tokens)]
 
-    def run(self, span: int) -> torch.Tensor:
+    def run(self, span: int, lo: int = 0, n: int | None = None) -> torch.Tensor:
+        n = self.rows if n is None else n
         if not self.use_graphs:
-            return self.forward(span)
-        entry = self.graphs.get(span)
+            return self.forward(span, lo, n)
+        entry = self.graphs.get((lo, n, span))
         if entry is None:
             try:
-                entry = self.graphs[span] = self.capture(lambda: self.forward(span))
+                entry = self.graphs[(lo, n, span)] = self.capture(lambda: self.forward(span, lo, n), self.pool)
             except RuntimeError as e:  # an op that syncs with the host cannot be captured
                 if not is_kernel_failure(e):
                     raise  # out of memory, a lost rank: not the graph's failure
@@ -195,13 +216,13 @@ class StaticDecoder:
                 warnings.warn(f"decode graphs: capture failed, decoding eagerly ({e})", stacklevel=2)
                 self.graph_error, self.use_graphs = str(e), False
                 torch.cuda.synchronize()
-                return self.forward(span)
+                return self.forward(span, lo, n)
         graph, logits = entry
         graph.replay()
         return logits
 
     @staticmethod
-    def capture(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """A CUDA graph of fn() (an idempotent static step) and its output buffer."""
         # warm up on a side stream first: lazy initialisations (cuBLAS handles, workspaces) must
         # not happen during capture. The step is idempotent (same K/V at the same slot), so the
@@ -212,7 +233,7 @@ class StaticDecoder:
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with _capture_autocast(), torch.cuda.graph(graph):
+        with _capture_autocast(), torch.cuda.graph(graph, pool=pool):
             out = fn()
         return graph, out
 
@@ -220,27 +241,34 @@ class StaticDecoder:
 class DeviceSampler:
     """HF `generate`'s choice for all rows at once on the logits' device, one host copy per step.
 
-    Greedy: argmax. Sampled: temperature -> top-k -> top-p (HF's warper semantics: top-k keeps ties
-    with the k-th score; top-p drops the ascending-sorted tokens whose cumulative probability is
-    <= 1 - top_p, keeping at least one) -> one draw per row. The draw is the algorithm
-    torch.multinomial uses for one sample (argmax of p / q with q ~ Exp(1)), with q drawn from the
-    row's own generator, only for rows that sample this step: on the CPU with the same generator
-    it picks the same token as `torch.multinomial(p, 1, generator)`, and a row's draws never depend
-    on the other rows. On CUDA the tokens follow each row's CUDA generator (seeded with the row's
-    seed), so they are reproducible per seed but differ from the CPU stream's.
+    Over the whole output vocabulary, as the official pipeline (HF `generate`): ids at or above the
+    tokenizer's length are tokens like any other (the tokenizer's decode skips them, as the official
+    one does). Greedy: argmax. Sampled: temperature -> top-k -> top-p (HF's warper semantics: top-k
+    keeps ties with the k-th score; top-p drops the ascending-sorted tokens whose cumulative
+    probability is <= 1 - top_p, keeping at least one) -> one draw per row. The draw is the
+    algorithm torch.multinomial uses for one sample (argmax of p / q with q ~ Exp(1)), with q drawn
+    from the row's own generator, only for rows that sample this step: on the CPU with the same
+    generator it picks the same token as `torch.multinomial(p, 1, generator)`, and a row's draws
+    never depend on the other rows. On CUDA the tokens follow each row's CUDA generator (seeded with
+    the row's seed), so they are reproducible per seed but differ from the CPU stream's.
+
+    `banned`: ids never sampled (ARDIT_BENCH_COT_TOKENS: a forced CoT length, see ar.py).
     """
 
-    def __init__(self, sampling, vocab_size: int, ratio_ids: list[int], generators: list[torch.Generator]) -> None:
-        self.sampling, self.vocab_size, self.generators = sampling, vocab_size, generators
+    def __init__(self, sampling, ratio_ids: list[int], generators: list[torch.Generator],
+                 banned: list[int] | None = None) -> None:
+        self.sampling, self.generators = sampling, generators
         self.ratio_ids = torch.tensor(ratio_ids, dtype=torch.long)
+        self.banned = torch.tensor(banned or [], dtype=torch.long)
         if generators:
             self.ratio_ids = self.ratio_ids.to(generators[0].device)
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """Scores [B, V] float32 after the vocabulary mask, temperature, top-k and top-p."""
+        """Scores [B, V] float32 after temperature, top-k and top-p."""
         sp = self.sampling
         scores = logits.float().clone()
-        scores[:, self.vocab_size:] = float("-inf")  # padded vocab rows are never tokens
+        if len(self.banned):
+            scores[:, self.banned.to(scores.device)] = float("-inf")
         if sp.greedy:
             return scores
         scores = scores / sp.temperature
@@ -254,8 +282,11 @@ class DeviceSampler:
             scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
         return scores
 
-    def pick(self, logits: torch.Tensor, sample_rows: list[bool]) -> torch.Tensor:
-        """Tokens [B] on the device: argmax, or the multinomial draw for rows in `sample_rows`."""
+    def pick(self, logits: torch.Tensor, sample_rows: list[bool],
+             generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+        """Tokens [B] on the device: argmax, or the multinomial draw for rows in `sample_rows`
+        (with `generators[b]`, default the sampler's)."""
+        generators = self.generators if generators is None else generators
         scores = self.warp(logits)
         if self.sampling.greedy or not any(sample_rows):
             return scores.argmax(dim=-1)
@@ -263,12 +294,13 @@ class DeviceSampler:
         noise = torch.ones_like(probs)
         for b, draw in enumerate(sample_rows):
             if draw:
-                noise[b].exponential_(1, generator=self.generators[b])
+                noise[b].exponential_(1, generator=generators[b])
         return (probs / noise).argmax(dim=-1)
 
-    def __call__(self, logits: torch.Tensor, sample_rows: list[bool]) -> list[tuple[int, int]]:
+    def __call__(self, logits: torch.Tensor, sample_rows: list[bool],
+                 generators: list[torch.Generator | None] | None = None) -> list[tuple[int, int]]:
         """Per row (the greedy ratio choice among `ratio_ids`, the sampled token), in one copy."""
         ratio_ids = self.ratio_ids.to(logits.device)
         ratio = ratio_ids[logits[:, ratio_ids].float().argmax(dim=-1)]
-        both = torch.stack([ratio, self.pick(logits, sample_rows)], dim=1)
+        both = torch.stack([ratio, self.pick(logits, sample_rows, generators)], dim=1)
         return [tuple(r) for r in both.tolist()]

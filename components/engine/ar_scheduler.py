@@ -1,0 +1,487 @@
+"""Continuous batching for the AR stage, as vLLM schedules: a K/V budget, rows that join and leave
+the decode batch at any step, chunked prefill, and an OOM that shrinks the batch instead of failing
+rows.
+
+    waiting --admit--> prefilling (one chunk per step) --> running (one token per step) --> finished
+      ^                                                                                  |
+      +------------- on OOM: in-flight rows go back, the admission budget halves --------+
+
+- K/V lives in a slot pool: a KVCache whose batch rows are slots, each holding one row's prompt and
+  CoT left-aligned, so rows of any length and age share it. A row takes the lowest free slot; the
+  decode step runs over slots [0, highest used] padded to a batch bucket (kernels/decode.py), each
+  row writing its own next slot, so the CUDA graphs of the static step keep working as rows come
+  and go. A finished row's K/V is exported and handed to `on_result` at once, and its slot is free
+  for the next waiting row.
+- Admission: a row is admitted while the pool has a free slot within the budget: `max_rows` (the
+  `--batch-size` cap) and the K/V bytes (`--gpu-memory-utilization` of the GPU, less what is in use
+  after the weights load and an activation reserve). The pool's rows x capacity (the longest
+  admitted prompt + the CoT budget, rounded up to the decode span) are sized to the budget.
+- Prefill is per row, in chunks of at most `max_num_batched_tokens` (an image block, whose tokens
+  attend to each other both ways, is never split), one chunk per step between the decode steps, so
+  a long edit prompt does not stall the decoding rows.
+- A row's prefill is always its own; with `kernels.settings().batch_invariant == "on"` its decode
+  steps are too (one step per row over its own slot), so its tokens and K/V are bitwise those it
+  gets alone.
+- Out of memory: the failed attempt's pool, graphs and in-flight rows are dropped, the allocator's
+  cache emptied, the row cap halved, and the in-flight rows start again (their seeds give the same
+  tokens). A row fails only when it does not fit alone, with its size and what would fit.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import kernels
+from .inputs import embed_span
+from .kernels.decode import SPAN_STEP, DeviceSampler, StaticDecoder
+from .transformer import KVCache, SlotMask
+
+CPU_ROWS = 8  # rows in flight on the CPU with --batch-size auto (no memory probe there)
+DEFAULT_BATCHED_TOKENS = 2048  # prefill chunk (--max-num-batched-tokens)
+CLOSING_MARGIN = 16  # forced closing tokens may exceed a tiny budget (as ARGenerator._prefill)
+
+
+# tests: called before every scheduler step with the scheduler; may raise torch.OutOfMemoryError
+fault_hook: Callable[["ARScheduler"], None] | None = None
+
+
+class RowTooLarge(MemoryError):
+    """A row whose K/V does not fit even alone (a transient error: another --tp / --pp / GPU fits it)."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, (torch.OutOfMemoryError, RowTooLarge))
+
+
+def kv_bytes_per_token(model) -> int:
+    """K and V of one token over this rank's layers and KV heads."""
+    attn = model.model.layers[0].self_attn
+    return len(model.model.layers) * 2 * attn.num_kv_heads * attn.head_dim * model.dtype.itemsize
+
+
+def activation_reserve(model, chunk_tokens: int, max_rows: int = 64) -> int:
+    """Bytes kept free for activations: a prefill chunk through one layer (attention, the routed
+    experts' inputs and hidden states; a chunk grows to the end of an image block, up to a 1024x1024
+    image's 4096 latent tokens), the decode graphs' pool and logits, plus 1 GiB of slack. An
+    estimate: an OOM still only halves the batch."""
+    chunk_tokens = max(chunk_tokens, 4096 + 1024)
+    cfg = model.config
+    topk = max(cfg.moe_topk) if isinstance(cfg.moe_topk, list) else cfg.moe_topk
+    inter = max(cfg.moe_intermediate_size) if isinstance(cfg.moe_intermediate_size, list) \
+        else cfg.moe_intermediate_size
+    per_token = (12 * cfg.hidden_size + 3 * (topk + 1) * inter) * 4  # float32 worst case
+    logits = max_rows * cfg.vocab_size * 4 * 3  # graph output, the scheduler's copy, the sampler's
+    return chunk_tokens * per_token + logits + (1 << 30)
+
+
+@dataclass
+class Admission:
+    """How many rows may be in flight: `max_rows` (a hard cap; None: the K/V budget decides),
+    `kv_budget_bytes` (None: no byte limit) and the prefill chunk."""
+
+    max_rows: int | None = None
+    kv_budget_bytes: int | None = None
+    max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS
+    gpu_memory_utilization: float = 0.9
+
+    @classmethod
+    def for_model(cls, model, batch_size: int | str = "auto", gpu_memory_utilization: float = 0.9,
+                  max_num_batched_tokens: int | None = None) -> "Admission":
+        """Measured after the weights load: the GPU's total x utilization, less the memory in use
+        (weights, other processes) and the activation reserve. On the CPU: `CPU_ROWS` rows."""
+        tokens = max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
+        cap = None if batch_size == "auto" else int(batch_size)
+        if model.device.type != "cuda":
+            return cls(cap or CPU_ROWS, None, tokens, gpu_memory_utilization)
+        gc.collect()
+        torch.cuda.empty_cache()  # blocks cached by an earlier step (a DiT in this process) are free memory
+        free, total = torch.cuda.mem_get_info(model.device)
+        budget = int(total * gpu_memory_utilization) - (total - free) - activation_reserve(model, tokens)
+        parallel = getattr(model, "parallel", None)
+        if parallel is not None and parallel.world_size > 1:  # every rank must admit the same rows
+            budget = int(parallel.broadcast_(torch.tensor([budget], device=model.device))[0])
+        return cls(cap, max(budget, 0), tokens, gpu_memory_utilization)
+
+
+@dataclass
+class _Seq:
+    """One request in the scheduler."""
+
+    request: Any  # ARRequest
+    order: int
+    row: Any = None  # ar._Row once prepared
+    slot: int = -1
+    length: int = 0  # cache slots of its row filled
+    need: int = 0  # cache capacity it needs (tokens)
+    generator: torch.Generator | None = None  # its sampling stream on the device
+    positions: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
+    solo: bool = False  # failed in a batch: runs alone so a bad row names itself
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+    batch_sum: int = 0  # rows of its decode steps, summed (mean occupancy = batch_sum / steps)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.row.seq.cond_ids)
+
+
+class _RowWriter:
+    """Stands in for the KVCache in `Attention.forward` during one row's prefill chunk: writes the
+    chunk's K/V into the row's slot at [start, end) and returns the row's K/V through end."""
+
+    def __init__(self, cache: KVCache, slot: int, start: int) -> None:
+        self.cache, self.slot, self.start = cache, slot, start
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.start + k.shape[2]
+        keys = self.cache.k_rows[layer][self.slot:self.slot + 1]
+        values = self.cache.v_rows[layer][self.slot:self.slot + 1]
+        keys[:, :, self.start:end] = k
+        values[:, :, self.start:end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+
+@dataclass
+class SchedulerStats:
+    rows: int = 0
+    failed: int = 0
+    decode_steps: int = 0
+    decode_row_steps: int = 0  # rows fed over all decode steps (mean occupancy = / decode_steps)
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    peak_rows: int = 0
+    oom_retries: int = 0
+    pool_rows: int = 0
+    pool_capacity: int = 0
+    kv_budget_bytes: int | None = None
+    events: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["mean_batch"] = round(self.decode_row_steps / self.decode_steps, 3) if self.decode_steps else 0.0
+        return d
+
+
+class ARScheduler:
+    """Runs requests through `ARGenerator`'s row logic with continuous batching (module docstring)."""
+
+    def __init__(self, ar, sampling, admission: Admission, export_kv: bool = True) -> None:
+        from . import ar as ar_module
+        from .kernels.decode import decode_mode
+
+        self.ar, self.model, self.sampling, self.export_kv = ar, ar.model, sampling, export_kv
+        self.prefill_decoded = ar_module.PREFILL_DECODED_KV
+        self.graphs = decode_mode(self.model) == "graphs"
+        self.admission = admission
+        self.row_cap = admission.max_rows
+        self.kv_budget = admission.kv_budget_bytes
+        self.per_token = kv_bytes_per_token(self.model)
+        self.budget_tokens = sampling.max_new_tokens + CLOSING_MARGIN
+        self.waiting: deque[_Seq] = deque()
+        self.prefilling: list[_Seq] = []
+        self.running: list[_Seq] = []
+        self.slots: dict[int, _Seq] = {}
+        self.pool: KVCache | None = None
+        self.decoder: StaticDecoder | None = None
+        self.logits: torch.Tensor | None = None
+        self.sampler = DeviceSampler(sampling, ar.tok.ratio_choice_ids, [], ar.banned_ids())
+        self.stats = SchedulerStats(kv_budget_bytes=self.kv_budget)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, requests: list, on_result: Callable[[Any, Any], None]) -> dict:
+        """Every request's AROutput, or the exception that failed it, to on_result(request, result)."""
+        self.on_result = on_result
+        self.waiting.extend(_Seq(r, i) for i, r in enumerate(requests))
+        while self.waiting or self.prefilling or self.running:
+            try:
+                if fault_hook is not None:
+                    fault_hook(self)
+                self.step()
+            except Exception as e:  # noqa: BLE001 - decided below: retry smaller, alone, or fail the row
+                from .parallel import RankLost
+
+                if isinstance(e, RankLost):
+                    raise
+                self._recover(e)
+        self._release()
+        return self.stats.as_dict()
+
+    def step(self) -> None:
+        """Admit what fits, prefill one chunk, choose every running row's next token, decode one step."""
+        self._admit()
+        self._prefill_next()
+        self._decode()
+
+    @property
+    def in_flight(self) -> list[_Seq]:
+        return sorted(self.prefilling + self.running, key=lambda s: s.order)
+
+    # -- admission --------------------------------------------------------------------------------
+    def _row_bytes(self, tokens: int) -> int:
+        return tokens * self.per_token
+
+    def _capacity_for(self, need: int) -> int:
+        return -(-need // SPAN_STEP) * SPAN_STEP
+
+    def _rows_that_fit(self, capacity: int) -> int:
+        rows = self.row_cap if self.row_cap is not None else 1 << 30
+        if self.kv_budget is not None:
+            rows = min(rows, self.kv_budget // self._row_bytes(capacity))
+        return rows
+
+    def _admit(self) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            if seq.solo and self.slots:
+                return  # a row retried alone waits for an empty batch
+            if any(s.solo for s in self.slots.values()):
+                return
+            if seq.row is None and not self._prepare(seq):
+                continue
+            capacity = self._capacity_for(seq.need)
+            if self._rows_that_fit(capacity) < 1:
+                self.waiting.popleft()
+                self._fail(seq, self._too_large(seq, capacity))
+                continue
+            if self.pool is None or capacity > self.pool.capacity:
+                if self.slots:
+                    return  # a longer row: the pool grows once the rows in flight have left
+                self._allocate(capacity)
+            free = next((i for i in range(self.stats.pool_rows) if i not in self.slots), None)
+            if free is None:
+                return
+            self.waiting.popleft()
+            self._place(seq, free)
+
+    def _prepare(self, seq: _Seq) -> bool:
+        """The row's prompt (images encoded), or its failure: a bad input fails the row."""
+        try:
+            seq.row = self.ar._prepare(seq.request)
+        except Exception as e:  # noqa: BLE001
+            if is_out_of_memory(e):
+                raise
+            self.waiting.popleft()
+            self._fail(seq, e)
+            return False
+        seq.row.offset = 0
+        seq.need = seq.prompt_len + self.budget_tokens
+        seq.positions = seq.row.seq.positions()
+        seq.blocks = seq.row.seq.block_ids()
+        if self.model.device.type != "cpu":
+            from .ar import request_seed
+
+            seq.generator = torch.Generator(self.model.device).manual_seed(
+                request_seed(seq.request.seed, seq.request.id))
+        else:
+            seq.generator = seq.row.generator
+        return True
+
+    def _allocate(self, capacity: int) -> None:
+        """A fresh pool of as many slots as fit (and as rows are left), `capacity` tokens each."""
+        self._release()
+        left = len(self.waiting) + len(self.slots)
+        rows = max(1, min(self._rows_that_fit(capacity), left))
+        self.pool = self.model.new_cache(rows, capacity)
+        self.decoder = StaticDecoder(self.model, self.pool, torch.zeros(rows, capacity, dtype=torch.bool), [0] * rows,
+                                     self.ar.tok.pad, self.graphs)
+        self.logits = torch.zeros(rows, self.model.config.vocab_size, device=self.model.device)
+        self.stats.pool_rows, self.stats.pool_capacity = rows, capacity
+
+    def _place(self, seq: _Seq, slot: int) -> None:
+        seq.slot, seq.length = slot, 0
+        self.slots[slot] = seq
+        self.decoder.valid[slot] = False
+        self.prefilling.append(seq)
+        self.stats.peak_rows = max(self.stats.peak_rows, len(self.slots))
+
+    # -- prefill ----------------------------------------------------------------------------------
+    def _prefill_next(self) -> None:
+        """One chunk of the oldest prefilling row; a row whose prompt is complete starts decoding."""
+        if not self.prefilling:
+            return
+        seq = self.prefilling[0]
+        t0 = time.perf_counter()
+        end = self._chunk_end(seq, seq.length, self.admission.max_num_batched_tokens)
+        ids = seq.row.seq.cond_ids
+        x = embed_span(self.model, ids, seq.row.seq, seq.length, end, seq.row.cond).unsqueeze(0)
+        hidden = self._forward_row(seq, x, seq.positions[seq.length:end], seq.blocks[:end])
+        self.decoder.valid[seq.slot, seq.length:end] = True
+        self.stats.prefill_chunks += 1
+        self.stats.prefill_tokens += end - seq.length
+        seq.length = end
+        if end == len(ids):
+            self.logits[seq.slot] = self.model.text_logits(hidden[:, -1])[0]
+            self.prefilling.pop(0)
+            self.running.append(seq)
+        seq.prefill_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _chunk_end(seq: _Seq, start: int, limit: int) -> int:
+        """The end of the chunk from `start`: at most `limit` tokens, extended to the end of an
+        image block it would split."""
+        n = seq.prompt_len
+        end = min(n, start + max(1, limit))
+        blocks = seq.blocks
+        while end < n and blocks[end - 1] >= 0 and blocks[end] == blocks[end - 1]:
+            end += 1
+        return end
+
+    def _forward_row(self, seq: _Seq, x: torch.Tensor, positions: torch.Tensor, k_blocks: torch.Tensor):
+        """Tokens [start, end) of one row (x [1, T, H]) through the layers over its cached prefix;
+        writes their K/V into its slot. The last hidden states [1, T, H]."""
+        start = seq.length
+        end = start + x.shape[1]
+        slots = torch.arange(end)
+        mask = SlotMask(slots[start:].unsqueeze(0), slots.unsqueeze(0), k_blocks[start:end].unsqueeze(0),
+                        k_blocks.unsqueeze(0)).to(self.model.device)
+        return self.model.forward_layers(x, positions.unsqueeze(0).to(self.model.device), mask,
+                                         _RowWriter(self.pool, seq.slot, start))
+
+    # -- decode -----------------------------------------------------------------------------------
+    def _decode(self) -> None:
+        """Choose the next token of every running row; finished rows leave; one decode step feeds the rest."""
+        if not self.running:
+            return
+        t0 = time.perf_counter()
+        ar, sampling = self.ar, self.sampling
+        hows = {s.slot: (None if s.row.done else ar._how(s.row, sampling)) for s in self.running}
+        top = max(hows) + 1
+        picked: list = [None] * top
+        if any(h in ("ratio", "sample") for h in hows.values()):
+            sample_rows = [hows.get(i) == "sample" for i in range(top)]
+            gens = [self.slots[i].generator if sample_rows[i] else None for i in range(top)]
+            picked = self.sampler(self.logits[:top], sample_rows, gens)
+        feed: dict[int, int] = {}
+        for seq in list(self.running):
+            token = ar._next_token(seq.row, None, sampling, picked[seq.slot], hows[seq.slot])
+            if token is None:
+                self._finish(seq)
+            else:
+                feed[seq.slot] = token
+        if not feed:
+            return
+        self._step(feed)
+        dt = time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        self.stats.decode_row_steps += len(feed)
+        for slot in feed:
+            seq = self.slots[slot]
+            seq.length += 1
+            seq.steps += 1
+            seq.batch_sum += len(feed)
+            seq.decode_s += dt / len(feed)
+
+    def _step(self, feed: dict[int, int]) -> None:
+        """One decode step: each fed row writes its token's K/V at its next slot."""
+        if kernels.settings().batch_invariant == "on":  # every row alone: its numbers see no other row
+            for slot, token in feed.items():
+                self.logits[slot] = self.decoder.step([token], [self.slots[slot].length], lo=slot)[0]
+            return
+        top = max(self.slots) + 1
+        tokens = [feed.get(i) for i in range(top)]
+        # rows that feed nothing write a masked pad where their next prefill chunk writes anyway
+        slots = [self.slots[i].length if i in self.slots else 0 for i in range(top)]
+        self.logits[:top] = self.decoder.step(tokens, slots)
+
+    # -- leaving ----------------------------------------------------------------------------------
+    def _finish(self, seq: _Seq) -> None:
+        """Export the row's K/V and hand its output over; its slot is free for a waiting row."""
+        row = seq.row
+        if self.export_kv and self.prefill_decoded and row.generated[:-1]:
+            self._write_decoded(seq)
+        out = self.ar._finish(row, seq.slot, self.pool if self.export_kv else None)
+        out.timings = {"ar_prefill_s": seq.prefill_s, "ar_decode_s": seq.decode_s,
+                       "ar_batch_size": round(seq.batch_sum / seq.steps, 3) if seq.steps else 1,
+                       "ar_decode_steps": seq.steps, "prompt_tokens": seq.prompt_len,
+                       "generated_tokens": len(row.generated)}
+        self._leave(seq)
+        self.stats.rows += 1
+        self.on_result(seq.request, out)
+
+    def _write_decoded(self, seq: _Seq) -> None:
+        """The decoded tokens' K/V written again by one prefill chunk over the prompt, so the exported
+        K/V come from the prefill kernels, as the DiT's recompute (see ARGenerator._prefill_decoded)."""
+        fed = seq.row.generated[:-1]
+        start, n = seq.prompt_len, len(fed)
+        if seq.length != start + n:
+            raise RuntimeError(f"row {seq.request.id}: decode wrote {seq.length - start} slots, it fed {n} tokens")
+        seq.length = start
+        ids = torch.tensor([fed], dtype=torch.long, device=self.model.device)
+        positions = torch.arange(start, start + n, dtype=torch.float64).unsqueeze(1).expand(n, 2)
+        blocks = torch.full((start + n,), -1, dtype=torch.long)
+        self._forward_row(seq, self.model.embed_ids(ids), positions, blocks)
+        seq.length = start + n
+
+    def _leave(self, seq: _Seq) -> None:
+        for queue in (self.prefilling, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        self.slots.pop(seq.slot, None)
+        seq.slot = -1
+
+    def _fail(self, seq: _Seq, error: BaseException) -> None:
+        self.stats.failed += 1
+        self.on_result(seq.request, error)
+
+    # -- out of memory and other failures ---------------------------------------------------------
+    def _recover(self, error: Exception) -> None:
+        """Drop the failed attempt's memory and put its rows back: on OOM with a smaller row cap,
+        else each alone (so the row that fails names itself). A row alone fails for good."""
+        rows = self.in_flight
+        if not rows and self.waiting:
+            rows = [self.waiting.popleft()]  # failed while being prepared or placed, alone
+        for seq in rows:
+            self._leave(seq)
+            seq.row, seq.length, seq.prefill_s, seq.decode_s, seq.steps, seq.batch_sum = None, 0, 0.0, 0.0, 0, 0
+        pool_rows = self.pool.k_rows[0].shape[0] if self.pool is not None else 0
+        self._release()
+        oom = is_out_of_memory(error)
+        self.stats.events.append(f"{type(error).__name__} with {len(rows)} row(s) in flight")
+        if len(rows) == 1 and (rows[0].solo or pool_rows <= 1 or not oom):
+            seq = rows[0]
+            if oom and not isinstance(error, RowTooLarge):
+                error = self._too_large(seq, None, error)
+            self._fail(seq, error)
+            return
+        if oom:
+            self.stats.oom_retries += 1
+            self.row_cap = max(1, min(len(rows), pool_rows) // 2)
+            if self.kv_budget is not None:
+                self.kv_budget //= 2
+        else:
+            for seq in rows:
+                seq.solo = True
+        self.waiting.extendleft(reversed(rows))
+
+    def _too_large(self, seq: _Seq, capacity: int | None, error: BaseException | None = None) -> RowTooLarge:
+        req = seq.request
+        prompt = len(seq.row.seq.cond_ids) if seq.row is not None else None
+        gib = 1 << 30
+        size = (f"{prompt} prompt tokens + {self.budget_tokens} CoT budget -> "
+                f"{self._row_bytes(prompt + self.budget_tokens) / gib:.2f} GiB of K/V on this rank"
+                if prompt is not None else "its prompt could not even be prepared")
+        if error is not None:
+            where = f"it ran out of GPU memory alone ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        else:
+            budget = self.kv_budget or 0
+            where = (f"the K/V budget is {budget / gib:.2f} GiB (--gpu-memory-utilization "
+                     f"{self.admission.gpu_memory_utilization} of the GPU, less the weights and activations)")
+        return RowTooLarge(f"row {req.id} does not fit alone: {size}; {where}. To fit it: split the model over more "
+                           "GPUs (--tp 2 splits the K/V heads, --pp 2 the layers), --quantization fp8 (frees weight "
+                           "memory), a higher --gpu-memory-utilization or a smaller --max-new-tokens")
+
+    def _release(self) -> None:
+        """Free the pool, the decode graphs and the allocator's cached blocks."""
+        self.pool = self.decoder = self.logits = None
+        gc.collect()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
