@@ -87,14 +87,6 @@ class ParallelContext:
         return tensor
 
     @_collective
-    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.broadcast(tensor, src=src, group=self.group)
-        return tensor
-
-    @_collective
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (so ranks take the same branch)."""
         if self.world_size == 1:
@@ -104,17 +96,6 @@ class ParallelContext:
 
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
-
-    @_collective
-    def broadcast_object(self, obj, src: int = 0):
-        """A picklable object from rank `src` to every rank (rank 0 reads, everyone computes)."""
-        if self.world_size == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
 
 
 def split(total: int, world: int, rank: int, what: str) -> tuple[int, int]:
