@@ -30,9 +30,10 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
-    from components.steps import rank_pool, run_step
+    from components.steps import quantization_option, rank_pool, run_step
     from components.summary.run import run as run_summary
 
+    quantization = quantization_option(quantization)  # "none" (a sweep's, a user's) is no quantization
     generation = dict(steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
                       system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_k=top_k, top_p=top_p)
