@@ -19,6 +19,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from components.errors import one_line
 from components.kvstore.cli import app as store_app
 from pipeline.sweep import app as sweep_app
 from pipeline.cli_orchestration import app as orchestration_app
@@ -121,7 +122,22 @@ def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_r
         raise typer.Exit(130) from None
     _print_summary(summary, output, run_id)
     if summary.get("rows_failed"):
+        _print_failed_rows(summary)
         raise typer.Exit(1)
+
+
+FAILED_ROWS_SHOWN = 5
+
+
+def _print_failed_rows(summary: dict) -> None:
+    """Which rows failed and why (the first few; all of them are in summary.json and rows.parquet)."""
+    errors = summary.get("errors") or []
+    failed = summary.get("rows_failed") or len(errors)
+    shown = errors[:FAILED_ROWS_SHOWN]
+    more = f", first {len(shown)} shown" if failed > len(shown) else ""
+    typer.echo(f"{failed} row(s) failed{more}:", err=True)
+    for e in shown:
+        typer.echo(f"  {e['id']} (shard {e['shard']}): {one_line(e['error'] or 'failed')}", err=True)
 
 
 def _print_summary(summary: dict, output: str, run_id: str) -> None:
@@ -204,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     import typer._click.exceptions as click_errors  # typer's click (it vendors one)
     from typer.main import get_command
 
-    from components.errors import ConfigError, config_error_exit, one_line
+    from components.errors import ConfigError, config_error_exit
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("ARDIT_DEBUG", "") not in ("", "0")
