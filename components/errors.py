@@ -6,6 +6,8 @@ and exit code 2; orchestrators never retry exit code 2. Everything else is a run
 
 from __future__ import annotations
 
+import sys
+
 # import name of an optional dependency -> the extra that brings it
 EXTRAS = {
     "boto3": "s3",
@@ -40,3 +42,22 @@ def missing_extra(exc: ImportError, what: str = "this") -> MissingExtraError | N
         return None
     hint = " (and apt-get install libibverbs1)" if extra == "mooncake" else ""
     return MissingExtraError(f"{what} needs the optional package {name!r}: pip install 'ardit[{extra}]'{hint}")
+
+
+def one_line(text: object) -> str:
+    """A message squashed to one line (a multi-line message would break the one-line contract)."""
+    return " ".join(str(text).split())
+
+
+def config_error_exit(prog: str, exc: BaseException, what: str | None = None) -> int | None:
+    """The one exit-code-2 handler of every CLI and step program: a ConfigError, or an ImportError of
+    a known optional extra (named `what`, default `prog`), is printed as `PROG: error: ...` on one
+    line of stderr and gives 2. None for anything else: the caller re-raises it."""
+    if isinstance(exc, ConfigError):
+        message: object = exc
+    elif isinstance(exc, ImportError) and (extra := missing_extra(exc, what or prog)) is not None:
+        message = extra
+    else:
+        return None
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
+    return 2

@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from components.errors import ConfigError, missing_extra
+from components.errors import ConfigError, config_error_exit, missing_extra
 
 # A prompt longer than this many tokens is an error row (the model's context must also hold the
 # conditioning images, the CoT and the generated image).
@@ -30,6 +30,7 @@ KINDS = ("edit", "generate")
 BOT_TASKS = ("image", "recaption", "think", "think_recaption", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("fp8",)
+NO_QUANTIZATION = ("", "none")  # how a sweep spec, a command line or an orchestrator says "no quantization"
 DEVICES = ("auto", "cpu", "cuda")
 
 # CLI name -> GenerationConfig field (official generation_config.json keys)
@@ -254,13 +255,20 @@ def batch_size_value(text: str) -> int | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
+def quantization_option(value: str | None) -> str | None:
+    """The quantization a job runs with: None for "none" (or ""), else the value as given (checked
+    by check_engine_options). The one place where "none" is read, so every entry (`ardit edit
+    --quantization none`, a sweep's `quantization: none`, a step program) means the same run."""
+    return None if value is None or value.strip().lower() in NO_QUANTIZATION else value
+
+
 def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=1, seed=0,
                          batch_size=1, device="auto", step_cache=0.0, pipeline_parallel_size=1,
                          gpu_memory_utilization=0.9, max_num_batched_tokens=None) -> None:
     if dtype is not None and dtype not in DTYPES:
         raise _bad("--dtype", dtype, f"must be one of {', '.join(DTYPES)} (default: the model config's)")
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise _bad("--quantization", quantization, f"must be one of {', '.join(QUANTIZATIONS)} (default: none)")
+        raise _bad("--quantization", quantization, f"must be none or {' or '.join(QUANTIZATIONS)} (default: none)")
     if not (_is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
         raise _bad("--tensor-parallel-size", tensor_parallel_size, "must be a whole number >= 1")
     if not (_is_int(pipeline_parallel_size) and pipeline_parallel_size >= 1):
@@ -442,7 +450,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GPUs per pipeline stage, the layers split by heads and experts (default 1)")
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1,
                    help="pipeline stages, contiguous decoder layers each; a model copy uses tp x pp GPUs (default 1)")
-    p.add_argument("--quantization", type=optional_str, default=None, choices=[None, *QUANTIZATIONS],
+    p.add_argument("--quantization", type=quantization_option, default=None, choices=[None, *QUANTIZATIONS],
                    help="fp8 (default: none)")
     p.add_argument("--kv-store", type=optional_str, default=None,
                    help="local:///dir or mooncake://host:port?metadata=... (default: a directory beside the outputs)")
@@ -519,17 +527,11 @@ def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
     orchestrator retries)."""
     try:
         return body()
-    except ConfigError as exc:
-        if debug:
+    except (ConfigError, ImportError) as exc:
+        code = None if debug else config_error_exit(prog, exc)
+        if code is None:
             raise
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except ImportError as exc:
-        extra = missing_extra(exc, prog)
-        if extra is None or debug:
-            raise
-        print(f"{prog}: error: {extra}", file=sys.stderr)
-        return 2
+        return code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; committed rows are kept, run the same command again to resume",
               file=sys.stderr)

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from components.errors import one_line
 from components.kvstore.cli import app as store_app
 from pipeline.sweep import app as sweep_app
 from pipeline.cli_orchestration import app as orchestration_app
@@ -146,7 +147,22 @@ def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_r
         raise typer.Exit(1 if summary.get("rows_failed") else 0)
     _print_summary(summary, output, run_id)
     if summary.get("rows_failed"):
+        _print_failed_rows(summary)
         raise typer.Exit(1)
+
+
+FAILED_ROWS_SHOWN = 5
+
+
+def _print_failed_rows(summary: dict) -> None:
+    """Which rows failed and why (the first few; all of them are in summary.json and rows.parquet)."""
+    errors = summary.get("errors") or []
+    failed = summary.get("rows_failed") or len(errors)
+    shown = errors[:FAILED_ROWS_SHOWN]
+    more = f", first {len(shown)} shown" if failed > len(shown) else ""
+    typer.echo(f"{failed} row(s) failed{more}:", err=True)
+    for e in shown:
+        typer.echo(f"  {e['id']} (shard {e['shard']}): {one_line(e['error'] or 'failed')}", err=True)
 
 
 def _print_summary(summary: dict, output: str, run_id: str) -> None:
@@ -228,16 +244,12 @@ def demo(output: Output = "demo", steps: Steps = None) -> None:
 # ------------------------------------------------------------------------------- error handling
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (see the module docstring)."""
     import typer._click.exceptions as click_errors  # typer's click (it vendors one)
     from typer.main import get_command
 
-    from components.errors import ConfigError, missing_extra
+    from components.errors import ConfigError, config_error_exit
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("ARDIT_DEBUG", "") not in ("", "0")
@@ -250,26 +262,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except click_errors.ClickException as exc:  # bad option, missing argument, unknown command
         where = exc.ctx.command_path if getattr(exc, "ctx", None) else "ardit"
-        print(f"{where}: error: {_one_line(exc.format_message())} (see {where} --help)", file=sys.stderr)
+        print(f"{where}: error: {one_line(exc.format_message())} (see {where} --help)", file=sys.stderr)
         return exc.exit_code
-    except ConfigError as exc:
-        if debug:
+    except (ConfigError, ImportError) as exc:
+        code = None if debug else config_error_exit("ardit", exc, "this command")
+        if code is None:
             raise
-        print(f"ardit: error: {_one_line(exc)}", file=sys.stderr)
-        return 2
-    except ImportError as exc:
-        extra = missing_extra(exc, "this command")
-        if extra is None or debug:
-            raise
-        print(f"ardit: error: {extra}", file=sys.stderr)
-        return 2
+        return code
     except (KeyboardInterrupt, typer.Abort):
         print("ardit: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - one line; the traceback with --debug
         if debug:
             raise
-        print(f"ardit: error: {type(exc).__name__}: {_one_line(exc)} (run again with --debug for the traceback)",
+        print(f"ardit: error: {type(exc).__name__}: {one_line(exc)} (run again with --debug for the traceback)",
               file=sys.stderr)
         return 1
 

@@ -32,9 +32,10 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
-    from components.steps import check_bench_cot, check_engine_options, rank_pool, run_step
+    from components.steps import check_bench_cot, check_engine_options, quantization_option, rank_pool, run_step
     from components.summary.run import run as run_summary
 
+    quantization = quantization_option(quantization)  # "none" (a sweep's, a user's) is no quantization
     check_engine_options(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
     check_bench_cot(model, weights, dummy_weights)
     generation = dict(steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,

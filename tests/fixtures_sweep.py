@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image, ImageFilter
 
+from components.data.datasets import SHARD_SCHEMA, Job
 from components.data.runs import row_key
 from components.sweep.runner import JobOutcome
 
@@ -60,9 +61,14 @@ def write_run(
     """Write a run in the run layout. Each row: id, image (uint8 HxWx3 or None), and any of
     status, error, cot_text, generated_ids, kv_path, timings (dict), latents (tensor)."""
     run = Path(output) / run_id
+    (run / "inputs").mkdir(parents=True, exist_ok=True)
     for k in range(num_shards):
         shard = run / "shards" / str(k)
         (shard / "images").mkdir(parents=True, exist_ok=True)
+        jobs = [Job(rows[i]["id"], i, "edit", rows[i].get("prompt", f"make row {rows[i]['id']} look like a sunset"),
+                    image=input_png(i)) for i in range(k, len(rows), num_shards)]  # fmt: skip
+        pq.write_table(pa.Table.from_pylist([j.to_record() for j in jobs], schema=SHARD_SCHEMA),
+                       run / "inputs" / f"{k}.parquet")  # what the shard step writes
         records = []
         for index in range(k, len(rows), num_shards):
             row = rows[index]
@@ -100,6 +106,15 @@ def write_run(
     return run
 
 
+def input_png(index: int) -> bytes:
+    """The row's input image (an edit's source) as PNG bytes: the scene at noon, smaller."""
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(to_uint8(scene(index, seed=7, width=48, height=32))).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def cot_for(index: int, seed: int) -> str:
     rng = np.random.default_rng(seed * 7 + index)
     words = ["warm", "orange", "sky", "soft", "light", "hills", "glow", "dusk", "calm", "clouds"]
@@ -111,13 +126,14 @@ def tokens_for(index: int, seed: int) -> list[int]:
     return list(range(100, 100 + PROMPT_TOKENS)) + [int(t) for t in rng.integers(1000, 2000, 20)]
 
 
-def fake_rows(params: dict[str, Any], ids: list[str] = ROW_IDS) -> list[dict[str, Any]]:
+def fake_rows(params: dict[str, Any], ids: list[str] = ROW_IDS, width: int = WIDTH,
+              height: int = HEIGHT) -> list[dict[str, Any]]:
     seed = int(params.get("seed", 42))
     steps = int(params.get("steps", REF_STEPS))
     reuse = bool(params.get("kv_reuse", True))
     rows = []
     for i, rid in enumerate(ids):
-        img = scene(i, seed)
+        img = scene(i, seed, width, height)
         latents = torch.from_numpy(np.random.default_rng(seed + i).standard_normal((4, 4, 6)))
         noise = np.random.default_rng(10_000 + 31 * i + steps)
         if not reuse:

@@ -15,7 +15,9 @@ def sum_ranks(value: int, device: str, parallel) -> int:
     return int(t.item())
 
 
-def fail_on_rank(bad_rank: int, how: str, device: str, parallel) -> str:
+def fail_on_rank(bad_rank: int, how: str, device: str, parallel, marker_dir: str | None = None) -> str:
+    """Rank `bad_rank` raises or dies; the others block in a collective, then sleep 30 s and leave
+    `marker_dir/rank{r}.finished` when they return (a pool that waited for them would see it)."""
     import torch
 
     if parallel.rank == bad_rank:
@@ -26,6 +28,8 @@ def fail_on_rank(bad_rank: int, how: str, device: str, parallel) -> str:
     t = torch.ones(1)
     parallel.all_reduce_(t)
     time.sleep(30)
+    if marker_dir:
+        open(os.path.join(marker_dir, f"rank{parallel.rank}.finished"), "w").close()
     return "should not get here"
 
 

@@ -4,7 +4,8 @@
 # Installs torch first (pinned, CPU), then the project with its test extras under the same pin,
 # then the Debian packages the tests need (libibverbs1 for Mooncake, chromium for the report test).
 # The suite runs inside a private network namespace with only loopback, so the real servers the
-# tests start (Mooncake, SeaweedFS) can reach nothing but 127.0.0.1.
+# tests start (Mooncake, SeaweedFS) can reach nothing but 127.0.0.1. Without root (no namespace)
+# those tests are deselected with a note, except under CI=true, where that is an error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,5 +31,13 @@ if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
   # shellcheck disable=SC2016
   exec unshare -n bash -c 'ip link set lo up && exec .venv/bin/pytest "$@"' pytest -p no:cacheprovider "$@"
 fi
-echo "note: no private network namespace available (needs root): skipping tests that start servers" >&2
+if [ "${CI:-}" = true ]; then
+  # CI must run the server tests (Mooncake, SeaweedFS): deselecting them quietly would pass a run
+  # that never exercised the KV store or S3.
+  echo "error: CI=true but no private network namespace is available (needs root and unshare):" \
+       "the tests that start servers cannot run; run CI as root, or unset CI to skip them locally" >&2
+  exit 2
+fi
+echo "note: no private network namespace available (needs root): skipping tests that start servers" \
+     "(CI=true makes this an error)" >&2
 exec .venv/bin/pytest -p no:cacheprovider -m "not servers" "$@"

@@ -238,3 +238,32 @@ def test_every_option_has_help_text():
             walk(sub, f"{path} {name}")
 
     walk(get_command(app), "ardit")
+
+
+def test_one_exit_2_handler_for_the_cli_and_the_step_programs(capsys, monkeypatch):
+    """`ardit` and the step programs share one handler: a multi-line ConfigError and a missing extra
+    are each one line `PROG: error: ...` and exit code 2; other errors are not swallowed."""
+    import pipeline.local
+    from components.errors import ConfigError
+    from components.steps import step_main
+    from pipeline.cli import main
+
+    multi = ConfigError("--thing 3: out of range\n  pass 1 or 2\tinstead")
+    missing = ImportError("No module named 'boto3'", name="boto3")
+
+    def raise_(exc):
+        def body(*_a, **_k):
+            raise exc
+        return body
+
+    for exc, needle in ((multi, "--thing 3: out of range pass 1 or 2 instead"),
+                        (missing, "pip install 'ardit[s3]'")):
+        assert step_main("ardit-dit", raise_(exc)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ardit-dit: error: ") and err.count("\n") == 1 and needle in err, err
+        monkeypatch.setattr(pipeline.local, "run_job", raise_(exc))
+        assert main(["edit", "data.parquet"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ardit: error: ") and err.count("\n") == 1 and needle in err, err
+    with pytest.raises(ImportError):  # not an optional extra: a real bug, with its traceback
+        step_main("ardit-dit", raise_(ImportError("No module named 'torchh'", name="torchh")))

@@ -467,13 +467,64 @@ def test_fp8_checkpoint_loads_on_tensor_parallel_ranks(tmp_path, tiny_plain, tin
     if block_scales:  # rewrite the dense projections with 2x2-block scales (DeepSeek-style weight_scale_inv)
         _to_block_scales(ckpt)
     write_tiny_checkpoint_files(ckpt)  # tokenizer, generation config: a loadable model directory
-    tp1 = _tp_logits_and_latents(Engine.load(str(ckpt)))
+    tp1_engine = Engine.load(str(ckpt))
+    # The ranks' tensors are checked against this unsliced model (tests.parallel_targets) and the
+    # outputs against its own: so first check the FP8 loader itself against an independent
+    # dequantization (plain torch from the safetensors on disk), or a bug it shares with the
+    # ranks would widen its own tolerance.
+    _assert_loader_matches_disk(tp1_engine.model, _dequantize_from_disk(ckpt), block_scaled=block_scales)
+    tp1 = _tp_logits_and_latents(tp1_engine)
     tp2 = run_on_ranks("tests.parallel_targets:fp8_checkpoint_logits", {"checkpoint": str(ckpt)}, world_size=2,
                        device="cpu")
     plain = _tp_logits_and_latents(Engine.load("tiny"))
     for key in ("logits", "latents"):
         err_tp1, err_tp2 = _rel(tp1[key], plain[key]), _rel(tp2[key], plain[key])
         assert 0 < err_tp2 < 2 * err_tp1 + 1e-3, key  # as close to fp32 as TP1 FP8 is
+
+
+def _dequantize_from_disk(ckpt) -> dict[str, torch.Tensor]:
+    """Every FP8 weight of a checkpoint in fp32, computed with plain torch from the safetensors:
+    weight x scale, the scale per tensor, per output channel ([out] or [out, 1]) or, for
+    `weight_scale_inv`, per block."""
+    out = {}
+    for path in sorted(ckpt.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        for name, t in tensors.items():
+            if t.dtype != FP8:
+                continue
+            w = t.float()
+            if f"{name}_scale_inv" in tensors:
+                blocks = tensors[f"{name}_scale_inv"].float()
+                rows, cols = -(-w.shape[0] // blocks.shape[0]), -(-w.shape[1] // blocks.shape[1])
+                scale = blocks.repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
+            else:
+                scale = tensors[f"{name}_scale"].float()
+                scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1)
+            out[name] = w * scale
+    return out
+
+
+def _assert_loader_matches_disk(model, disk: dict[str, torch.Tensor], block_scaled: bool) -> None:
+    """The loaded FP8 weights, dequantized, equal the checkpoint's: exactly for per-channel scales;
+    for block scales (re-quantized per channel at load) within E4M3's rounding of each row."""
+    loaded = {}
+    for name, module in fp8_modules(model):
+        if isinstance(module, Fp8Experts):
+            for proj in ("gate_and_up_proj", "down_proj"):
+                weights, scales = getattr(module, proj), getattr(module, f"{proj}_scale")
+                for e in range(weights.shape[0]):
+                    loaded[f"{name}.{e}.{proj}.weight"] = dequantize(weights[e], scales[e])
+        else:
+            loaded[f"{name}.weight"] = module.dequantized_weight()
+    assert set(loaded) == set(disk)  # every FP8 weight on disk, and nothing else
+    for name, want in disk.items():
+        got = loaded[name]
+        if block_scaled and name.endswith("qkv_proj.weight"):
+            # half an E4M3 step (1/16 relative) of the row's largest value, re-quantized per row
+            bound = want.abs().amax(dim=1, keepdim=True) / 16
+            assert ((got - want).abs() <= bound).all(), name
+        else:
+            assert torch.equal(got, want), name
 
 
 def _to_block_scales(ckpt) -> None:

@@ -347,6 +347,20 @@ def test_bad_rows_become_error_rows_and_the_rest_run(tmp_path):
                     max_new_tokens=6, device="cpu", progress=False)
     assert (again["rows_ok"], again["rows_failed"]) == (2, 4)
 
+    # `ardit edit` of the same run exits 1 and says which rows failed and why, not only "rows_failed 4"
+    import contextlib
+
+    from pipeline.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["edit", str(tmp_path / "bad.parquet"), "--output", output, "--run-id", "bad", "--num-shards", "2",
+                     "--steps", "3", "--max-new-tokens", "6", "--device", "cpu"])
+    assert code == 1
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "4 row(s) failed:"
+    assert {line.split(" (shard")[0].strip(): line.split(": ", 1)[1] for line in lines[1:]} == errors
+
 
 # --------------------------------------------------------------------- 4. S3 faults in a job
 

@@ -58,12 +58,20 @@ def _parse(html: str) -> _Tags:
 def test_report_is_self_contained(sweep_dir: Path) -> None:
     html = (sweep_dir / "report.html").read_text()
     tags = _parse(html)
-    # 4 rows x (reference + 6 configs x (image + heatmap)) + colour bar + 2 plots
-    assert len(tags.imgs) == 4 * (1 + 6 * 2) + 3
-    assert all(str(i["src"]).startswith("data:image/png;base64,") for i in tags.imgs)
+    # 4 rows x (input + reference + 6 configs x (image + heatmap)) + colour bar + 2 plots
+    assert len(tags.imgs) == 4 * (2 + 6 * 2) + 3
+    plots = {"speed vs fidelity plot", "|Δ| percentile profile", "heatmap colour scale"}
+    thumbs = [i for i in tags.imgs if i["alt"] not in plots]
+    assert len(thumbs) == 4 * (2 + 6 * 2)
+    assert all(str(i["src"]).startswith("data:image/webp;base64,") for i in thumbs)  # thumbnails
+    assert all(str(i["src"]).startswith("data:image/png;base64,") for i in tags.imgs if i not in thumbs)  # plots
     assert all(i.get("alt") for i in tags.imgs)
     assert not [u for u in tags.links if re.match(r"^(https?:)?//", u)]
     assert "@import" not in html and "url(http" not in html
+    # each output image links its full-size PNG, relative to the report
+    pngs = [u for u in tags.links if not u.startswith("data:")]
+    assert len(pngs) == 4 * (1 + 6)
+    assert all(u.endswith(".png") and (sweep_dir / u).is_file() for u in pngs), pngs[:3]
 
 
 def test_summary_marks_gates(sweep_dir: Path) -> None:
@@ -142,7 +150,9 @@ def test_identical_delta_profiles_share_one_legend_entry_beside_the_plot() -> No
 def test_max_rows_limits_the_grids(sweep_dir: Path, tmp_path: Path) -> None:
     out = write_report(sweep_dir, tmp_path / "small.html", max_rows=1)
     tags = _parse(out.read_text())
-    assert len(tags.imgs) == 1 + 6 * 2 + 3
+    assert len(tags.imgs) == 2 + 6 * 2 + 3
+    pngs = [u for u in tags.links if not u.startswith("data:")]
+    assert pngs and all((tmp_path / u).is_file() for u in pngs)  # links follow the report elsewhere
     assert "1 of 4 rows" in out.read_text()
 
 
@@ -180,3 +190,132 @@ def test_report_shows_failed_rows(tmp_path: Path) -> None:
     cell = next(c for c in first["cells"] if c["config"] == "recompute-s8")
     assert "NaN latents" in cell["error"]
     assert "NaN latents" in res.report.read_text()
+
+
+def test_report_shows_what_each_row_asked(sweep_dir: Path) -> None:
+    """The input image and the full instruction (from the reference run's inputs/) head each card."""
+    ctx = build_context(sweep_dir)
+    html = (sweep_dir / "report.html").read_text()
+    for row in ctx["rows"]:
+        assert row["instruction_label"] == "instruction"
+        assert row["instruction"] == f"make row {row['id']} look like a sunset"
+        assert row["input_img"].startswith("data:image/webp") and row["input_info"] == "48×32"
+        assert f"input image {row['id']}" in html
+    assert html.count('<div class="ask"><b>instruction</b>make row') == 4
+
+
+def test_report_states_the_ardit_version_and_the_spec(sweep_dir: Path) -> None:
+    from importlib.metadata import version
+
+    html = (sweep_dir / "report.html").read_text()
+    assert f"ardit <b>{version('ardit')}</b>" in html
+    assert "the spec (spec.yaml)" in html and "psnr_min: 30" in html and "ar_diversity:" in html
+
+
+def test_cards_mark_the_failed_metric_in_words(sweep_dir: Path) -> None:
+    ctx = build_context(sweep_dir)
+    cells = [c for r in ctx["rows"] for c in r["cells"] if c["config"] == "reuse-s4"]
+    assert cells and all(c["badge"] == "FAIL" for c in cells)
+    for c in cells:  # the fixture's blur + noise misses PSNR and SSIM
+        assert [f.split()[0] for f in c["fails"]][:2] == ["PSNR", "SSIM"], c["fails"]
+        assert c["psnr_cls"] == "bad" and "< 30 dB" in c["fails"][0]
+    passing = [c for r in ctx["rows"] for c in r["cells"] if c["config"] == "recompute-s8"]
+    assert all(c["fails"] == [] for c in passing)
+    assert "✗ fails: PSNR" in (sweep_dir / "report.html").read_text()
+
+
+def test_vs_ref_says_slower_or_faster_in_words(sweep_dir: Path) -> None:
+    from components.report.render import speed_words
+
+    assert speed_words(0.61) == "1.64× slower" and speed_words(2.0) == "2.00× faster"
+    assert speed_words(1.001) == "same speed"
+    speeds = [c["speed"]["text"] for c in build_context(sweep_dir)["configs"] if c["name"] != "reuse-s8"]
+    assert all(re.search(r"(faster|slower|same speed)", t) or t == "–" for t in speeds), speeds
+
+
+def test_resized_only_for_real_resizes() -> None:
+    """Another aspect ratio (the seed picked it) is not a resize; the same ratio at another size is."""
+    from components.report.render import OTHER_RATIO, RESIZED, _rows_ok, _size_change
+
+    ref = {"width": 64, "height": 64}
+    assert _size_change(ref, {"width": 48, "height": 80}) == OTHER_RATIO
+    assert _size_change(ref, {"width": 128, "height": 128}) == RESIZED
+    rec = {"rows_compared": 1, "rows": 4, "rows_size_mismatch": 3}
+    assert _rows_ok(rec, {OTHER_RATIO: 3}) == "1/4 (3 other aspect ratio)"
+    assert _rows_ok(rec, {OTHER_RATIO: 2, RESIZED: 1}) == "1/4 (2 other aspect ratio, 1 resized)"
+
+
+def _speed_points() -> list[dict]:
+    """Configs crowded on one spot, one failing, and single-sample times within the noise."""
+    pts = [{"name": "reuse-s8", "time_s": 1.0, "psnr": math.inf, "status": "REF", "reliable": False}]
+    pts += [{"name": f"cfg-{i}", "time_s": 1.0 + 0.002 * i, "psnr": 35.0 + 0.05 * i, "status": "PASS",
+             "reliable": False} for i in range(5)]  # fmt: skip
+    pts += [{"name": "few-steps", "time_s": 0.5, "psnr": 22.0, "status": "FAIL", "reliable": True},
+            {"name": "other-seed", "time_s": 0.98, "psnr": 12.0, "status": "INFO", "reliable": False}]
+    return pts
+
+
+def test_speed_plot_shapes_legend_labels_and_noise() -> None:
+    from matplotlib.markers import MarkerStyle
+
+    from components.report.plots import STATUS_MARKERS, speed_fidelity_figure
+
+    fig = speed_fidelity_figure(_speed_points(), 30.0)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+
+    def shape(marker) -> list:
+        m = MarkerStyle(marker)
+        return m.get_path().transformed(m.get_transform()).vertices.round(6).tolist()
+
+    drawn = {}  # verdict -> (shape, size, filled) of its scatter
+    for coll in ax.collections:
+        if not len(coll.get_offsets()):
+            continue
+        marker = next(k for k, v in STATUS_MARKERS.items() if shape(v) == coll.get_paths()[0].vertices.round(6).tolist())
+        filled = tuple(coll.get_facecolor()[0][:3]) != (1.0, 1.0, 1.0)
+        drawn.setdefault(marker, set()).add((float(coll.get_sizes()[0]), filled))
+    assert set(drawn) == {"REF", "PASS", "FAIL", "INFO"}  # a shape per verdict, not colour only
+    assert drawn["PASS"] == {(60.0, False)}  # single samples within the noise: hollow, not a fact
+    assert drawn["FAIL"] == {(75.0, True)} and drawn["REF"] == {(170.0, True)}
+    legend = {t.get_text(): h for t, h in zip(ax.get_legend().get_texts(), ax.get_legend().legend_handles)}
+    assert set(legend) == {"reference", "pass", "fail", "not gated", "hollow: time within noise"}
+    for word, status in (("reference", "REF"), ("pass", "PASS"), ("fail", "FAIL"), ("not gated", "INFO")):
+        handle = legend[word]  # the legend draws the plot's marker: same shape and size
+        assert handle.get_marker() == STATUS_MARKERS[status]
+        assert round(handle.get_markersize() ** 2) in {s for s, _ in drawn[status]}
+    labels = [t for t in ax.texts if t.get_text() in {p["name"] for p in _speed_points()}]
+    assert len(labels) == len(_speed_points())
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]  # no overprint
+
+
+def test_plot_text_is_at_least_10_px_at_the_size_shown(sweep_dir: Path) -> None:
+    ctx = build_context(sweep_dir)
+    for plot in (ctx["speed_plot"], ctx["delta_plot"], ctx["colorbar"]):
+        assert plot.min_font_px >= 10, plot.min_font_px
+        assert plot.width <= 640  # fits its column at the report's width, so it is not scaled down
+
+
+@pytest.mark.slow
+def test_report_at_24_rows_is_small(tmp_path: Path) -> None:
+    """24 rows of 512x512 images: WebP thumbnails (full-size PNGs linked) keep the page small.
+    Before (inline PNG thumbnails) this report measured BASELINE_BYTES."""
+    from components.sweep.runner import JobOutcome
+    from tests.fixtures_sweep import fake_rows, write_run
+
+    ids = [f"row-{i:02d}" for i in range(24)]
+
+    def runner(params, output, run_id, ar_from):  # type: ignore[no-untyped-def]
+        write_run(output, run_id, fake_rows(params, ids, 512, 512))
+        return JobOutcome(ar_pinned=ar_from is not None)
+
+    res = run_sweep(parse_spec(spec_dict()), tmp_path, "big", runner=runner, log=lambda _: None)
+    size = res.report.stat().st_size
+    print(f"\nreport at 24 rows: {size / 1e6:.2f} MB (inline PNG before: {BASELINE_BYTES / 1e6:.2f} MB)")
+    assert size < BASELINE_BYTES / 3
+
+
+# The same sweep's report with inline PNG thumbnails (ardit at 6ca3d4b, 2026-11-25): 46.0 MB.
+BASELINE_BYTES = 45_987_882

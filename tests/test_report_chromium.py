@@ -31,10 +31,13 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     page = check_page(result.report, chromium=CHROMIUM)
 
     assert page.title.startswith("ardit sweep · synthetic")
-    assert len(page.images) == 4 * (1 + 6 * 2) + 3
+    assert len(page.images) == 4 * (2 + 6 * 2) + 3  # input, reference, 6 configs x (image + heatmap); 3 plots
     assert page.broken_images == [], page.broken_images
     assert page.external_urls == []
     assert page.console_errors == [], page.console_errors
+    fonts = page.rendered_font_px()  # the plots' smallest text as the page shows it
+    assert set(fonts) == {"speed vs fidelity plot", "|Δ| percentile profile", "heatmap colour scale"}
+    assert min(fonts.values()) >= 10, fonts
 
     shot = Image.open(io.BytesIO(page.screenshot)).convert("RGB")
     out = Path(os.environ.get("ARDIT_SCREENSHOT_DIR", tmp_path))

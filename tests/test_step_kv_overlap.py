@@ -193,3 +193,73 @@ def test_failing_ar_step_deletes_what_it_put(tmp_path, monkeypatch):
     assert len(finished) == 2 and len(put) == 1  # the first row was put, then the step died
     assert store.keys() == []  # ... and deleted what it had put on its way out
     assert not (tmp_path / "out" / run_id / "shards" / "0" / "ar.parquet").exists()
+
+
+class EventStore(RecordingStore):
+    """A RecordingStore that logs ("get", row id) when each get starts, into a shared event list."""
+
+    def __init__(self, root, events: list, started: dict[str, threading.Event]):
+        super().__init__(root)
+        self.events, self.started = events, started
+
+    def get(self, key, expect_model_id=None, expect_config_hash=None, device=None):
+        rid = key.rsplit("/", 1)[-1]
+        self.events.append(("get", rid))
+        self.started.setdefault(rid, threading.Event()).set()
+        return super().get(key, expect_model_id, expect_config_hash, device)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_overlap_by_the_order_of_events(ar_done, monkeypatch, prefetch):
+    """Row k+1's KV get starts before row k's denoising ends: checked by the order of events, not by
+    time. Each denoise waits (bounded) for the next row's get to start before it ends, so with the
+    prefetch the order is certain, and without it (the control) the get can only come later."""
+    import components.dit.run as dit
+    from components.steps import default_kv_store, load_engine
+
+    output, run_id = ar_done
+    ids = list(_payloads(output, run_id))
+    events: list[tuple[str, str]] = []
+    started: dict[str, threading.Event] = {}
+    store = EventStore(default_kv_store(output, run_id).removeprefix("local://"), events, started)
+    monkeypatch.setattr(dit, "open_kv_store", lambda url: store)
+    engine = load_engine("tiny", None, "cpu", None, 0)
+    real = type(engine.dit).__call__
+
+    def denoise(self, request):
+        rid = request.ar.id
+        events.append(("denoise-start", rid))
+        out = real(self, request)
+        following = ids.index(rid) + 1
+        if following < len(ids):  # bounded: without the prefetch that get only starts after this returns
+            started.setdefault(ids[following], threading.Event()).wait(timeout=5 if prefetch else 0.5)
+        events.append(("denoise-end", rid))
+        return out
+
+    monkeypatch.setattr(type(engine.dit), "__call__", denoise)
+    result = dit.run(output, run_id, 0, steps=STEPS, device="cpu", prefetch=prefetch)
+    assert result["ok"] == 4
+    overlapped = [events.index(("get", ids[k + 1])) < events.index(("denoise-end", ids[k]))
+                  for k in range(len(ids) - 1)]
+    assert overlapped == [prefetch] * 3, events
+    assert [e for e in events if e[0] == "get"] == [("get", i) for i in ids]  # each row's own KV, once, in order
+
+
+def test_a_job_with_no_kv_reuse_recomputes_every_row(tmp_path):
+    """`ardit generate --no-kv-reuse` (run_job kv_reuse=False), a real job: the AR stores no K/V and
+    every row's DiT recomputes the prefix because reuse is off, not for any other reason."""
+    import json
+
+    from components.data.sample import write_sample_generate_dataset
+    from pipeline.local import run_job
+
+    dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=3, seed=5)
+    output = tmp_path / "out"
+    summary = run_job(dataset, str(output), "nr", kind="generate", num_shards=1, steps=STEPS,
+                      max_new_tokens=TOKENS, kv_reuse=False, device="cpu", progress=False)
+    assert summary["rows_ok"] == 3
+    rows = pq.read_table(output / "nr" / "shards" / "0" / "rows.parquet").to_pylist()
+    assert [(r["kv_path"], r["kv_reason"]) for r in rows] == [("recompute", "reuse disabled")] * 3
+    ar = pq.read_table(output / "nr" / "shards" / "0" / "ar.parquet").to_pylist()
+    assert [r["kv_key"] for r in ar] == [None] * 3  # nothing was put
+    assert json.loads((output / "nr" / "summary.json").read_text())["kv_paths"] == {"recompute": 3}

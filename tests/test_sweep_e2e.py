@@ -14,18 +14,7 @@ from typer.testing import CliRunner
 TINY = Path(__file__).resolve().parents[1] / "examples" / "sweeps" / "tiny.yaml"
 
 
-def _run_job_available() -> bool:
-    try:
-        from pipeline.local import run_job  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _run_job_available(), reason="pipeline.local.run_job does not exist yet (the lead's local runner)"
-)
 def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
     from pipeline.sweep import app
 

@@ -324,9 +324,6 @@ class ShardWriter:
     def store(self) -> ObjectStore:
         return self.layout.store
 
-    def done_ids(self) -> set[str]:
-        return set(self._records)
-
     def pending(self, retry_errors: bool = False) -> list[Job]:
         """Valid input rows without a recorded result, in dataset order.
 

@@ -156,10 +156,12 @@ class ParallelContext:
 
     @_collective
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.world_size > 1:
+        """`tensor` from global rank `src` to every rank that must decide alike (the TP group, or
+        every rank of the copy under pipeline parallelism: e.g. the AR's admission budget)."""
+        if self.world_size > 1 or self.pp_size > 1:
             import torch.distributed as dist
 
-            dist.broadcast(tensor, src=src, group=self.group)
+            dist.broadcast(tensor, src=src, group=self._decision_group())
         return tensor
 
     def _decision_group(self):
@@ -177,17 +179,6 @@ class ParallelContext:
 
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._decision_group())
         return bool(t.item())
-
-    @_collective
-    def broadcast_object(self, obj, src: int = 0):
-        """A picklable object from rank `src` to every rank (rank 0 reads, everyone computes)."""
-        if self.world_size == 1 and self.pp_size == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._decision_group())
-        return box[0]
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:

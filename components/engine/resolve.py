@@ -27,10 +27,6 @@ class ResolvedModel:
     path: Path | None  # the checkpoint directory (None for presets)
     name: str  # a short id recorded with outputs and KV payloads
 
-    @property
-    def is_checkpoint(self) -> bool:
-        return self.kind == "dir"
-
 
 def resolve_model(model: str) -> ResolvedModel:
     if model in PRESETS:

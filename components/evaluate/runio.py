@@ -213,3 +213,16 @@ def load_latents(row: RunRow) -> Any | None:
     import torch
 
     return torch.load(row.latents_path, map_location="cpu", weights_only=True)
+
+
+def load_run_inputs(run_uri: str | Path) -> dict[str, Any]:
+    """What each row asked for, by id: the shard step's inputs/{k}.parquet as components.data Jobs
+    (text = the instruction or prompt, image = the input image's bytes). {} when the run has none."""
+    from components.data.datasets import jobs_from_table
+
+    run = local_path(run_uri)
+    jobs: dict[str, Any] = {}
+    for path in sorted((run / "inputs").glob("*.parquet"), key=lambda p: (len(p.stem), p.stem)):
+        for job in jobs_from_table(pq.read_table(path)):
+            jobs[job.id] = job
+    return jobs

@@ -173,18 +173,7 @@ class KVStore(ABC):
     def close(self) -> None:
         pass
 
-    # batch forms; backends override where the store has a native one
-    def put_many(self, items: Iterable[tuple[str, PromptKV | Any]]) -> list[int]:
-        return [self.put(k, v) for k, v in items]
-
-    def get_many(
-        self,
-        keys: Iterable[str],
-        expect_model_id: str | None = None,
-        expect_config_hash: str | None = None,
-    ) -> list[GetResult]:
-        return [self.get(k, expect_model_id, expect_config_hash) for k in keys]
-
+    # batch form; backends override where the store has a native one
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return [self.exists(k) for k in keys]
 

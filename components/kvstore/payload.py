@@ -114,10 +114,6 @@ def thread_pool() -> ThreadPoolExecutor:
 _CHUNK = 16 << 20  # split big tensors so a few huge layers still use every core
 
 
-def _crc(view: np.ndarray) -> str:
-    return f"{zlib.crc32(view) & 0xFFFFFFFF:08x}"
-
-
 def _crc_chunked(view: np.ndarray) -> str:
     """crc32 of a whole tensor, computed chunk by chunk in order (crc32 chains)."""
     c = 0

@@ -26,7 +26,8 @@ CHROMIUM_FLAGS = [
 _IMAGES_JS = """JSON.stringify({
   images: Array.from(document.images).map(i => ({
     alt: i.alt, complete: i.complete, naturalWidth: i.naturalWidth, naturalHeight: i.naturalHeight,
-    src: i.currentSrc.slice(0, 40)})),
+    clientWidth: i.clientWidth, cssWidth: Number(i.getAttribute('width')) || null,
+    minFontPx: Number(i.dataset.minFontPx) || null, src: i.currentSrc.slice(0, 40)})),
   external: Array.from(document.querySelectorAll('[src],[href]'))
     .map(e => e.getAttribute('src') || e.getAttribute('href'))
     .filter(u => /^(https?:)?\\/\\//.test(u)),
@@ -47,6 +48,12 @@ class PageCheck:
     @property
     def broken_images(self) -> list[dict[str, Any]]:
         return [i for i in self.images if not i["complete"] or i["naturalWidth"] <= 0]
+
+    def rendered_font_px(self) -> dict[str, float]:
+        """alt -> the smallest text of a figure as displayed: its smallest font at its own CSS size
+        (`data-min-font-px`) scaled by how wide the page really shows it."""
+        return {i["alt"]: i["minFontPx"] * i["clientWidth"] / i["cssWidth"]
+                for i in self.images if i.get("minFontPx") and i.get("cssWidth")}
 
 
 def find_chromium() -> str | None:

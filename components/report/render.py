@@ -1,13 +1,16 @@
 """Build the self-contained HTML report of a sweep directory (see components/sweep/runner.py).
 
-Everything is inlined: images and heatmaps as base64 PNG, plots as matplotlib PNG; no scripts and
-no network resources.
+Everything is inlined: images and heatmaps as WebP thumbnails (each linking the run's full-size
+PNG beside the report), plots as matplotlib PNG; no scripts and no network resources. The report
+shows what each row asked for (the input image and instruction/prompt, from the reference run's
+inputs/), the ardit version and the spec.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from components.evaluate.metrics import (
     abs_diff_map,
     percentile_key,
 )
-from components.evaluate.runio import _num, load_run_rows, storage_name
+from components.evaluate.runio import _num, load_run_inputs, load_run_rows, storage_name
 from components.report import plots
 from components.sweep.timing import NO_ESTIMATE, noise_line, pct
 from components.report.template import TEMPLATE
@@ -76,14 +79,28 @@ def _status(rec: dict[str, Any]) -> str:
     return config_verdict(bool(rec.get("passed", False)), bool(rec.get("gated")), rec.get("role") == "reference")
 
 
-def _rows_ok(rec: dict[str, Any]) -> str:
+def _rows_ok(rec: dict[str, Any], sizes: dict[str, int]) -> str:
+    """rows compared / rows, and why the others have no pixel metrics: another aspect ratio (the
+    model picked it, e.g. under another seed) or the same ratio at another size (a real resize)."""
     if rec.get("run_error"):
         return "run failed"
     if rec.get("eval_error"):
         return "eval failed"
     text = f"{rec.get('rows_compared', 0)}/{rec.get('rows') or 0}"
-    resized = rec.get("rows_size_mismatch") or 0
-    return text + (f" ({resized} resized)" if resized else "")
+    notes = [f"{sizes[k]} {k}" for k in (OTHER_RATIO, RESIZED) if sizes.get(k)]
+    return text + (f" ({', '.join(notes)})" if notes else "")
+
+
+OTHER_RATIO = "other aspect ratio"
+RESIZED = "resized"
+
+
+def _size_change(ref: dict[str, Any] | None, other: dict[str, Any]) -> str:
+    """OTHER_RATIO or RESIZED for a row whose image size differs from the reference's."""
+    rw, rh, w, h = (ref or {}).get("width"), (ref or {}).get("height"), other.get("width"), other.get("height")
+    if not (rw and rh and w and h):
+        return OTHER_RATIO
+    return RESIZED if abs(rw / rh - w / h) < 0.01 else OTHER_RATIO
 
 
 def _cell_classes(rec: dict[str, Any], th: Thresholds | None) -> dict[str, str]:
@@ -128,8 +145,15 @@ def _timing_cells(rec: dict[str, Any], ref_name: str) -> tuple[float | None, str
     if ratio is None:
         return t, text, {"text": "–", "cls": "", "title": note}
     if rec.get("speedup_reliable"):
-        return t, text, {"text": f"{ratio:.2f}×", "cls": "", "title": note}
-    return t, text, {"text": f"~{ratio:.2f}×", "cls": "noisy", "title": note}
+        return t, text, {"text": speed_words(ratio), "cls": "", "title": note}
+    return t, text, {"text": f"~{speed_words(ratio)} (noise)", "cls": "noisy", "title": note}
+
+
+def speed_words(ratio: float) -> str:
+    """A speed ratio (reference time / this time) in words: '1.64× slower', '2.00× faster'."""
+    if abs(ratio - 1) < 0.005:
+        return "same speed"
+    return f"{ratio:.2f}× faster" if ratio > 1 else f"{1 / ratio:.2f}× slower"
 
 
 def _thresholds(rec: dict[str, Any]) -> Thresholds | None:
@@ -151,12 +175,33 @@ def _open(path: Path | None) -> Image.Image | None:
         return im.convert("RGB")
 
 
+def _thumb(image: Image.Image) -> str:
+    return plots.webp_data_uri(plots.thumbnail(image))
+
+
+def _link(path: Path | None, base: Path) -> str:
+    """The full-size image's address relative to the report's directory ('' when there is none)."""
+    return "" if path is None else Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
+
+
+def _ardit_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ardit")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _truncate(text: str | None, n: int = 140) -> str:
     text = " ".join((text or "").split())
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
+def build_context(sweep_dir: Path, max_rows: int = 24, report_dir: Path | None = None) -> dict[str, Any]:
+    """Everything the template shows; `report_dir`: where the report goes (image links are
+    relative to it; default the sweep directory)."""
+    report_dir = report_dir or sweep_dir
     meta_path = sweep_dir / "sweep.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{sweep_dir} is not a sweep directory (no sweep.json); run `ardit sweep` first")
@@ -170,6 +215,13 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
     ref_name = meta["reference"]
     ref_rec = next((c for c in configs if c["config"] == ref_name), {})
     timing = meta.get("timing") or {}
+    ref_sizes = {str(r["id"]): r for r in rows if r.get("config") == ref_name}
+    size_changes: dict[str, dict[str, int]] = {}
+    for r in rows:
+        if r.get("eval_status") == SIZE_MISMATCH:
+            counts = size_changes.setdefault(r["config"], {})
+            kind = _size_change(ref_sizes.get(str(r["id"])), r)
+            counts[kind] = counts.get(kind, 0) + 1
 
     config_rows = []
     speed_points = []
@@ -187,7 +239,7 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
                 "status": status,
                 "status_title": "; ".join(rec.get("violations") or [])
                 or ("not gated" if not rec.get("gated") else "all rows pass"),
-                "rows_ok": _rows_ok(rec),
+                "rows_ok": _rows_ok(rec, size_changes.get(rec["config"], {})),
                 "psnr_mean": _db(rec.get("psnr_mean")),
                 "psnr_min": _db(rec.get("psnr_min")),
                 "ssim_min": _f(rec.get("ssim_min")),
@@ -204,7 +256,7 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
         if t is not None and psnr is not None:
             samples = [float(x) for x in rec.get("time_samples") or []] or [t]
             speed_points.append({"name": rec["config"], "time_s": t, "time_lo": min(samples), "time_hi": max(samples),
-                                 "psnr": psnr, "status": status})  # fmt: skip
+                                 "psnr": psnr, "status": status, "reliable": bool(rec.get("speedup_reliable"))})  # fmt: skip
         if rec.get("role") != "reference":
             crow = [r for r in rows if r.get("config") == rec["config"] and r.get("eval_status") == OK]
             if crow:
@@ -218,6 +270,10 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
         ref_rows_meta = load_run_rows(runs / ref_name)
     except (FileNotFoundError, ValueError):
         pass
+    try:
+        inputs = load_run_inputs(runs / ref_name)  # what each row asked for
+    except (OSError, ValueError):
+        inputs = {}
     others = [c["config"] for c in configs if c["config"] != ref_name]
     gated_names = [c["config"] for c in configs if c.get("gated")]
     ranking = gated_names or others  # rows are ranked by the configs that gate the sweep
@@ -241,7 +297,8 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
     cfg_th = {c["config"]: _thresholds(c) if c.get("gated") else None for c in configs}
     row_ctx = []
     for rid in ranked[:max_rows]:
-        row_ctx.append(_row_context(rid, by_row[rid], ref_name, others, runs, cfg_th, ref_rows_meta.get(rid)))
+        row_ctx.append(_row_context(rid, by_row[rid], ref_name, others, runs, cfg_th, ref_rows_meta.get(rid),
+                                    inputs.get(rid), report_dir))
 
     gated = [c for c in configs if c.get("gated")]
     th_all = Thresholds.from_dict(meta.get("thresholds") or {})
@@ -251,6 +308,7 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
         if c.get("gated") and th and th != th_all:
             overrides.append(f"{c['config']}: {th.describe()}")
     any_small = any(r.get("small") for r in row_ctx)
+    spec_path = sweep_dir / "spec.yaml"
     return {
         "meta": meta,
         "verdict": PASS if meta.get("passed") else FAIL,
@@ -264,17 +322,20 @@ def build_context(sweep_dir: Path, max_rows: int = 24) -> dict[str, Any]:
         "gates_text": th_all.describe(),
         "overrides_text": "; ".join(overrides),
         "failures": meta.get("failures") or [],
-        "speed_plot": plots.speed_fidelity_uri(speed_points, th_all.psnr_min),
+        "speed_plot": plots.speed_fidelity_plot(speed_points, th_all.psnr_min),
         "timing_line": noise_line(timing) if timing else noise_line({"noise": None}),
         "timing_warn": timing.get("noise") is None or timing["noise"] > UNRELIABLE_NOISE,
-        "delta_plot": plots.delta_profile_uri(profiles),
+        "delta_plot": plots.delta_profile_plot(profiles),
         "budget": [_budget_row(b) for b in budget],
         "rows": row_ctx,
-        "colorbar": plots.colorbar_uri(),
-        "n_cells": len(others) + 1,
+        "colorbar": plots.colorbar_plot(),
+        "n_cells": len(others) + 1 + (1 if any(r["input_img"] for r in row_ctx) else 0),
+        "has_inputs": any(r["input_img"] for r in row_ctx),
         "pixelated": any_small,
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "sweep_dir": str(sweep_dir),
+        "version": _ardit_version(),
+        "spec_text": spec_path.read_text() if spec_path.is_file() else "",
     }
 
 
@@ -308,23 +369,40 @@ def _row_context(
     runs: Path,
     cfg_th: dict[str, Thresholds | None],
     ref_meta: Any,
+    job: Any = None,
+    report_dir: Path | None = None,
 ) -> dict[str, Any]:
+    """One row's card: what was asked (input image, instruction/prompt), the reference and every
+    other config's image with its |Δ| heatmap and metrics (failed metrics marked in words)."""
+    report_dir = report_dir or runs.parent
     ref_rec = cells.get(ref_name, {})
     ref_path = _find_image(ref_rec.get("image_path") or ref_rec.get("ref_image_path"), runs, ref_name, rid)
     ref_img = _open(ref_path)
     ctx: dict[str, Any] = {
         "id": rid, "cells": [], "ref_img": None, "ref_error": "", "ref_info": "", "cot": "", "prompt": "", "small": False,
+        "ref_link": _link(ref_path, report_dir), "input_img": None, "input_info": "", "instruction": "",
+        "instruction_label": "",
     }  # fmt: skip
+    if job is not None:
+        ctx["instruction"] = job.text or ""
+        ctx["instruction_label"] = "instruction" if job.kind == "edit" else "prompt"
+        images = job.pil_images() if job.image or job.reference_image else []
+        if images:
+            ctx["input_img"] = _thumb(images[0])
+            ctx["input_info"] = f"{images[0].size[0]}×{images[0].size[1]}" + (
+                f" · + {len(images) - 1} reference image" if len(images) > 1 else "")
     if ref_img is None:
         ctx["ref_error"] = ref_rec.get("eval_error") or "reference image not found"
     else:
-        ctx["ref_img"] = plots.png_data_uri(plots.thumbnail(ref_img))
+        ctx["ref_img"] = _thumb(ref_img)
         ctx["small"] = max(ref_img.size) < 200
         t = _num(ref_rec.get("time_per_image_s"))
         ctx["ref_info"] = f"{ref_img.size[0]}×{ref_img.size[1]}" + (f" · {_secs(t)}" if t is not None else "")
     if ref_meta is not None:
         ctx["cot"] = ref_meta.cot_text or ""
         ctx["prompt"] = _truncate(ref_meta.extra.get("prompt"))
+    if ctx["instruction"]:
+        ctx["prompt"] = ""  # the full instruction/prompt is shown instead
     psnrs: dict[str, float] = {}
     resized: list[str] = []
     for name in others:
@@ -336,6 +414,8 @@ def _row_context(
             "error": "",
             "size_note": "",
             "extra": "",
+            "link": "",
+            "fails": [],
         }
         ctx["cells"].append(cell)
         if rec is None:
@@ -344,10 +424,14 @@ def _row_context(
             continue
         th = cfg_th.get(name)
         if rec.get("eval_status") == SIZE_MISMATCH:
-            img = _open(_find_image(rec.get("image_path"), runs, name, rid))
+            path = _find_image(rec.get("image_path"), runs, name, rid)
+            img = _open(path)
             if img is not None and ref_img is not None:
-                cell["img"] = plots.png_data_uri(plots.thumbnail(img))
-                cell["size_note"] = f"size differs: {img.size[0]}×{img.size[1]} vs {ref_img.size[0]}×{ref_img.size[1]}"
+                cell["img"] = _thumb(img)
+                cell["link"] = _link(path, report_dir)
+                kind = _size_change({"width": ref_img.size[0], "height": ref_img.size[1]},
+                                    {"width": img.size[0], "height": img.size[1]})
+                cell["size_note"] = f"{kind}: {img.size[0]}×{img.size[1]} vs {ref_img.size[0]}×{ref_img.size[1]}"
                 cell["badge"] = FAIL if th is not None and th.active else "SIZE"
                 cell["extra"] = _extra(rec)
                 resized.append(name)
@@ -367,16 +451,18 @@ def _row_context(
             cell["error"] = str(exc)
             continue
         psnr, ssim = _num(rec.get("psnr")), _num(rec.get("ssim"))
+        fails = _failed_metrics(rec, th)
         cell.update(
-            img=plots.png_data_uri(plots.thumbnail(img)),
-            heat=plots.png_data_uri(plots.thumbnail(heat)),
+            img=_thumb(img),
+            heat=_thumb(heat),
+            link=_link(path, report_dir),
+            fails=[text for _, text in fails],
             psnr=_db(psnr),
             ssim=_f(ssim, 3),
             mean_abs=_f(rec.get("mean_abs"), 3),
             p99=_f(rec.get("p99_abs"), 3),
             bitwise=bool(rec.get("bitwise")),
-            psnr_cls="bad" if th and th.psnr_min is not None and psnr is not None and psnr < th.psnr_min else "",
-            ssim_cls="bad" if th and th.ssim_min is not None and ssim is not None and ssim < th.ssim_min else "",
+            **{f"{key}_cls": ("bad" if key in dict(fails) else "") for key in ("psnr", "ssim", "mean_abs", "p99")},
         )
         cell["extra"] = _extra(rec)
         if th is not None and th.active and not cell["bitwise"]:
@@ -387,6 +473,25 @@ def _row_context(
     gated = {n for n, th in cfg_th.items() if th is not None}
     ctx["worst"] = _worst_label(failed, resized, psnrs, gated)
     return ctx
+
+
+def _failed_metrics(rec: dict[str, Any], th: Thresholds | None) -> list[tuple[str, str]]:
+    """(metric, 'PSNR 21.3 dB < 30 dB') for each gate this row misses (none when not gated)."""
+    if th is None or not th.active:
+        return []
+    out = []
+    checks = (("psnr", "psnr", th.psnr_min, "PSNR", " dB", 1), ("ssim", "ssim", th.ssim_min, "SSIM", "", 1),
+              ("mean_abs", "mean_abs", th.mean_abs_max, "mean |Δ|", "", -1), ("p99", "p99_abs", th.p99_abs_max, "p99 |Δ|", "", -1))  # fmt: skip
+    for key, col, limit, label, unit, sign in checks:
+        v = _num(rec.get(col))
+        if limit is None or v is None:
+            continue
+        if (sign > 0 and v < limit) or (sign < 0 and v > limit):
+            shown = _db(v) if key == "psnr" else _f(v, 3)
+            out.append((key, f"{label} {shown} {'<' if sign > 0 else '>'} {limit:g}{unit}"))
+    if th.bitwise and not rec.get("bitwise"):
+        out.append(("bitwise", "not bitwise identical"))
+    return out
 
 
 def _worst_label(failed: list[str], resized: list[str], psnrs: dict[str, float], gated: set[str]) -> str:
@@ -424,14 +529,14 @@ def _extra(rec: dict[str, Any]) -> str:
     return " · ".join(extra)
 
 
-def render_report(sweep_dir: str | Path, max_rows: int = 24) -> str:
+def render_report(sweep_dir: str | Path, max_rows: int = 24, report_dir: Path | None = None) -> str:
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    return env.from_string(TEMPLATE).render(**build_context(Path(sweep_dir), max_rows))
+    return env.from_string(TEMPLATE).render(**build_context(Path(sweep_dir), max_rows, report_dir))
 
 
 def write_report(sweep_dir: str | Path, out: str | Path | None = None, *, max_rows: int = 24) -> Path:
     sweep_dir = Path(sweep_dir)
-    html = render_report(sweep_dir, max_rows)
     path = Path(out) if out else sweep_dir / "report.html"
+    html = render_report(sweep_dir, max_rows, path.parent)
     path.write_text(html, encoding="utf-8")
     return path

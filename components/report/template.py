@@ -40,6 +40,7 @@ th { font-size: 11.5px; text-transform: uppercase; letter-spacing: .03em; color:
 th:first-child, td:first-child, td.l, th.l { text-align: left; }
 tbody tr:hover { background: #fafbfc; }
 td.good { color: var(--pass); }
+td.wrap { white-space: normal; min-width: 86px; }
 td.noisy { color: #8c959f; font-style: italic; }
 .timing { font-size: 12.5px; color: var(--muted); margin: 10px 2px 0; }
 .timing.warn { color: #9a6700; background: #fff8c5; border-radius: 6px; padding: 6px 10px; }
@@ -62,7 +63,7 @@ ul.fails li { margin: 2px 0; }
 .gates { font-size: 12.5px; color: var(--muted); margin: 10px 2px 0; }
 .plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(420px, 1fr)); gap: 16px; }
 .plots figure { margin: 0; }
-.plots img { width: 100%; height: auto; display: block; }
+.plots img { max-width: 100%; height: auto; display: block; margin: 0 auto; }
 figcaption { font-size: 12px; color: var(--muted); margin-top: 6px; }
 .bnote { display: block; color: var(--muted); font-weight: 400; font-size: 11.5px; max-width: 360px; }
 .rowcard { background: var(--card); border: 1px solid var(--line); border-radius: 12px; padding: 14px 16px;
@@ -89,7 +90,13 @@ details summary { cursor: pointer; color: var(--muted); }
 details pre { white-space: pre-wrap; background: var(--soft); padding: 10px; border-radius: 8px; font-size: 12px;
   max-height: 220px; overflow: auto; }
 .legend { display: flex; align-items: center; gap: 14px; margin: 0 0 12px; font-size: 12px; color: var(--muted); }
-.legend img { height: 40px; }
+.legend img { max-width: 100%; height: auto; }
+.ask { font-size: 13px; margin: 0 0 10px; white-space: pre-wrap; overflow-wrap: anywhere; }
+.ask b { color: var(--muted); font-weight: 600; margin-right: 6px; }
+.cell.input img { box-shadow: 0 0 0 2px #d4a72c; }
+.cell .m.fails { color: var(--fail); font-weight: 600; }
+.cell a { display: block; }
+details.spec pre { max-height: 420px; }
 dl.defs { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; font-size: 12.5px; color: var(--muted); }
 dl.defs dt { font-weight: 600; color: var(--fg); }
 dl.defs dd { margin: 0; }
@@ -109,7 +116,9 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
       <span>rows <b>{{ n_rows }}</b></span>
       <span>configs <b>{{ configs|length }}</b></span>
       <span>finished <b>{{ meta.finished }}</b></span>
+      <span>ardit <b>{{ version }}</b></span>
     </div>
+    {% if spec_text %}<details class="spec"><summary>the spec (spec.yaml)</summary><pre>{{ spec_text }}</pre></details>{% endif %}
   </div>
   <div class="verdict {{ verdict }}">{{ verdict }}<small>{{ n_gated_pass }}/{{ n_gated }} gated configs pass</small></div>
 </header>
@@ -137,8 +146,8 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
         <td class="{{ c.cls.p99 }}">{{ c.p99_abs_max }}</td>
         <td class="{{ c.cls.bitwise }}">{{ c.bitwise }}</td>
         <td>{{ c.cot }}</td>
-        <td>{{ c.time }}</td>
-        <td class="{{ c.speed.cls }}" title="{{ c.speed.title }}">{{ c.speed.text }}</td>
+        <td class="wrap">{{ c.time }}</td>
+        <td class="wrap {{ c.speed.cls }}" title="{{ c.speed.title }}">{{ c.speed.text }}</td>
       </tr>
     {% endfor %}
     </tbody>
@@ -153,8 +162,8 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
 
 <h2>Speed and fidelity</h2>
 <div class="plots">
-  {% if speed_plot %}<figure class="panel"><img src="{{ speed_plot }}" alt="speed vs fidelity plot"><figcaption>Each point is a config: median time per image over its timing samples (bars: fastest to slowest sample) against mean PSNR vs the reference. Green pass, red fail, blue ungated, star = reference. {{ timing_line }}</figcaption></figure>{% endif %}
-  {% if delta_plot %}<figure class="panel"><img src="{{ delta_plot }}" alt="|Δ| percentile profile"><figcaption>|Δ| percentiles of the worst row per config (log scale; exact zeros drawn at the floor). Configs with the same profile share one line, named together in the legend.</figcaption></figure>{% endif %}
+  {% if speed_plot %}<figure class="panel"><img src="{{ speed_plot.uri }}" width="{{ speed_plot.width }}" height="{{ speed_plot.height }}" data-min-font-px="{{ speed_plot.min_font_px }}" alt="speed vs fidelity plot"><figcaption>Each point is a config: median time per image over its timing samples (bars: fastest to slowest sample) against mean PSNR vs the reference. Shape and colour give the verdict: ★ reference, ● pass, ✖ fail, ■ not gated; a hollow marker's time is within the timing noise (no speed difference shown). {{ timing_line }}</figcaption></figure>{% endif %}
+  {% if delta_plot %}<figure class="panel"><img src="{{ delta_plot.uri }}" width="{{ delta_plot.width }}" height="{{ delta_plot.height }}" data-min-font-px="{{ delta_plot.min_font_px }}" alt="|Δ| percentile profile"><figcaption>|Δ| percentiles of the worst row per config (log scale; exact zeros drawn at the floor). Configs with the same profile share one line, named together in the legend.</figcaption></figure>{% endif %}
 </div>
 
 <h2>Precision budget</h2>
@@ -185,7 +194,7 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
 </div>
 
 <h2>Images <span class="sub">({{ shown_rows }} of {{ n_rows }} rows, failures first, then by {{ ranked_by }})</span></h2>
-<div class="legend"><span>|Δ| heatmap (mean over RGB):</span><img src="{{ colorbar }}" alt="heatmap colour scale"></div>
+<div class="legend"><span>|Δ| heatmap (mean over RGB):</span><img src="{{ colorbar.uri }}" width="{{ colorbar.width }}" height="{{ colorbar.height }}" data-min-font-px="{{ colorbar.min_font_px }}" alt="heatmap colour scale"><span>Click an image for the full-size PNG.</span></div>
 {% for r in rows %}
 <section class="rowcard">
   <div class="rowhead">
@@ -193,10 +202,17 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
     <span class="sub">worst: {{ r.worst }}</span>
     {% if r.prompt %}<span class="sub">prompt: {{ r.prompt }}</span>{% endif %}
   </div>
+  {% if r.instruction %}<div class="ask"><b>{{ r.instruction_label }}</b>{{ r.instruction }}</div>{% endif %}
   <div class="strip">
+    {% if has_inputs %}
+    <div class="cell input">
+      <div class="title"><span>input</span></div>
+      {% if r.input_img %}<img src="{{ r.input_img }}" alt="input image {{ r.id }}"><div class="m">{{ r.input_info }}</div>{% else %}<div class="m">no input image</div>{% endif %}
+    </div>
+    {% endif %}
     <div class="cell ref">
       <div class="title"><span>{{ meta.reference }}</span><span class="badge REF">REF</span></div>
-      {% if r.ref_img %}<img src="{{ r.ref_img }}" alt="reference image {{ r.id }}">{% else %}<div class="failbox">{{ r.ref_error }}</div>{% endif %}
+      {% if r.ref_img %}<a href="{{ r.ref_link }}"><img src="{{ r.ref_img }}" alt="reference image {{ r.id }}"></a>{% else %}<div class="failbox">{{ r.ref_error }}</div>{% endif %}
       <div class="m">{{ r.ref_info }}</div>
     </div>
     {% for c in r.cells %}
@@ -205,13 +221,14 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
       {% if c.error %}
         <div class="failbox">{{ c.error }}</div>
       {% elif c.size_note %}
-        <img src="{{ c.img }}" alt="{{ c.config }} image {{ r.id }}">
+        <a href="{{ c.link }}"><img src="{{ c.img }}" alt="{{ c.config }} image {{ r.id }}"></a>
         <div class="m"><b class="{{ 'bad' if c.badge == 'FAIL' else '' }}">{{ c.size_note }}</b> · no pixel metrics{% if c.extra %}<br>{{ c.extra }}{% endif %}</div>
       {% else %}
-        <img src="{{ c.img }}" alt="{{ c.config }} image {{ r.id }}">
+        <a href="{{ c.link }}"><img src="{{ c.img }}" alt="{{ c.config }} image {{ r.id }}"></a>
         <img class="heat" src="{{ c.heat }}" alt="{{ c.config }} difference heatmap {{ r.id }}">
         <div class="m">PSNR <b class="{{ c.psnr_cls }}">{{ c.psnr }}</b> · SSIM <b class="{{ c.ssim_cls }}">{{ c.ssim }}</b><br>
-          |Δ| mean {{ c.mean_abs }} · p99 {{ c.p99 }}{% if c.extra %}<br>{{ c.extra }}{% endif %}</div>
+          |Δ| mean <b class="{{ c.mean_abs_cls }}">{{ c.mean_abs }}</b> · p99 <b class="{{ c.p99_cls }}">{{ c.p99 }}</b>{% if c.extra %}<br>{{ c.extra }}{% endif %}</div>
+        {% if c.fails %}<div class="m fails">✗ fails: {{ c.fails|join('; ') }}</div>{% endif %}
       {% endif %}
     </div>
     {% endfor %}
@@ -230,10 +247,11 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
   <dt>bitwise</dt><dd>decoded pixel arrays identical.</dd>
   <dt>CoT sim</dt><dd>difflib ratio of the chain-of-thought texts; tokens equal / 1st divergence compare generated token ids.</dd>
   <dt>time / img</dt><dd>ar_prefill_s + ar_decode_s + dit_total_s + vae_decode_s per row, averaged over a run; the median over the config's timing samples (its run, timing.repeats rounds, and for the reference its determinism re-run), n and the spread (max − min) / min when there are several.</dd>
-  <dt>vs ref</dt><dd>the reference's time divided by this one; “~” and grey when the two differ by less than the timing noise (the largest spread of any config's samples), i.e. the ratio means nothing.</dd>
+  <dt>vs ref</dt><dd>how much faster or slower than the reference (its time divided by this one); “~”, “(noise)” and grey when the two differ by less than the timing noise (the largest spread of any config's samples), i.e. the ratio means nothing.</dd>
+  <dt>other aspect ratio</dt><dd>the config's image has another width:height than the reference's (the model picked another ratio, e.g. under another seed): no pixel metrics. “resized”: the same ratio at another size.</dd>
 </dl>
 </div>
-<footer>Generated by ardit {{ generated }} · sweep directory {{ sweep_dir }}</footer>
+<footer>Generated by ardit {{ version }} at {{ generated }} · sweep directory {{ sweep_dir }}</footer>
 </main>
 </body>
 </html>
