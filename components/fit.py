@@ -142,7 +142,8 @@ def layouts_that_fit(config: Any, replicated_bytes: float, free_bytes: float, *,
                             quantization=quant, **planned).total
             if need > free_bytes:
                 continue
-            flags = [f"--tp {t}"] * (t != tp) + [f"--pp {p}"] * (p != pp) + ["--quantization fp8"] * (quant != quantization)
+            flags = ([f"--tp {t}"] * (t != tp) + [f"--pp {p}"] * (p != pp)
+                     + ["--quantization fp8"] * (quant != quantization))
             found = best.setdefault(quant, [])
             if not found or t * p == found[0][0]:
                 found.append((t * p, " ".join(flags)))

@@ -110,8 +110,9 @@ def test_when_every_replica_dies_the_job_fails_and_a_rerun_resumes(dataset, tmp_
     with monkeypatch.context() as m:
         _targets(m, dit="dit_always_killed")
         assert cli.main(args) == 1
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "every data-parallel replica failed" in err[0] and "run the same command again" in err[0]
+    err = [line for line in capfd.readouterr().err.splitlines() if "error" in line]  # besides progress lines
+    assert len(err) == 1 and err[0].startswith("ardit: error: ReplicasFailed: every data-parallel replica failed")
+    assert "shard(s) [0, 1, 2, 3] were not committed: run the same command again to resume" in err[0]
     layout = RunLayout.open(out, "dead")
     assert not any(layout.is_committed(k) for k in range(4))
     assert cli.main(args) == 0  # the same command resumes
