@@ -9,6 +9,10 @@
            stopped, the step exits non-zero naming the rank, nothing of the shard in flight is
            committed (rank 0 commits only after every rank finished its collectives)
 
+A local job's data-parallel replicas are RankPools too, each on its own GPUs (`device_ids`); a
+replica of one rank is one process without a process group. Rank 0's progress (bars, log lines)
+travels back to the parent with the results, so one process draws it.
+
 NVLink multicast stays off for NCCL and PyTorch's symmetric memory (it can take shared GPUs out of
 service), unless the environment already says otherwise.
 """
