@@ -283,3 +283,13 @@ def _kill_after_first_row() -> None:
         return out
 
     DiTGenerator.__call__ = once_then_die
+
+
+def report_progress(device: str, parallel, progress) -> dict:
+    """A step that reports progress (as the AR / DiT steps do) and says where it ran."""
+    task = progress.add_task("step shard 0", 3)
+    progress.advance(task, 1)
+    progress.advance(task, 2)
+    progress.finish(task)
+    progress.skip("step shard 1", "committed")
+    return {"pid": os.getpid(), "parallel": parallel is not None, "device": device}
