@@ -16,6 +16,8 @@ then, with the engine's code:
                      present (the index's shards too) unless --dummy-weights
     run              a resumed run id belongs to this dataset and these settings
     device, KV store torch sees the GPU; the KV store's servers answer (mooncake: connect)
+    GPUs             dp x tp x pp GPUs exist; one model copy fits each GPU's free memory
+                     (components.fit), else what would fit: --tp 2, --pp 2, --quantization fp8
 
 Nothing is created by the checks: the output directory appears once they all passed.
 """
@@ -136,13 +138,87 @@ def check_kv_store(url: str) -> None:
         raise ConfigError(f"--kv-store {url}: {health.detail}; {hint}")
 
 
+def check_parallel_options(pipeline_parallel_size: int, data_parallel_size: int | None) -> None:
+    for option, value in (("--pipeline-parallel-size", pipeline_parallel_size),
+                          ("--data-parallel-size", data_parallel_size)):
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ConfigError(f"{option} {value!r}: must be a whole number >= 1")
+
+
+def parallel_layout(device: str, tensor_parallel_size: int, pipeline_parallel_size: int,
+                    data_parallel_size: int | None, gpus: int | None) -> int:
+    """The data-parallel size of a local job: `data_parallel_size`, or (None) as many model copies
+    of tp x pp GPUs as the `gpus` visible GPUs hold (1 on the CPU, and with --device cuda:N).
+    ConfigError when the GPUs cannot hold it."""
+    check_parallel_options(pipeline_parallel_size, data_parallel_size)
+    world = tensor_parallel_size * pipeline_parallel_size
+    if not device.startswith("cuda") or gpus is None:
+        return data_parallel_size or 1  # CPU: N replicas are N processes
+    copy = (f"--tp {tensor_parallel_size}" + (f" x --pp {pipeline_parallel_size}" if pipeline_parallel_size > 1
+                                               else ""))
+    if device != "cuda":  # cuda:N: that one GPU
+        if (data_parallel_size or 1) > 1 or world > 1:
+            raise ConfigError(f"--device {device} is one GPU: a job of {copy} x --dp {data_parallel_size or 1} "
+                              "takes GPUs from 0 up; use --device cuda")
+        return 1
+    if world > gpus:
+        raise ConfigError(f"{copy} needs {world} GPUs per model copy, this machine has {gpus}")
+    fits = gpus // world
+    if data_parallel_size is not None and data_parallel_size > fits:
+        raise ConfigError(f"--data-parallel-size {data_parallel_size} x {copy} needs {data_parallel_size * world} "
+                          f"GPUs, this machine has {gpus} (at most --dp {fits})")
+    return data_parallel_size or fits
+
+
+def check_memory(*, model: str, device: str, gpus: int | None, data_parallel_size: int, tensor_parallel_size: int,
+                 pipeline_parallel_size: int, quantization: str | None, weights: str | None, dtype: str | None,
+                 batch_size: Any, kind: str, generation: dict[str, Any]) -> None:
+    """One model copy fits the free memory of every GPU the job uses (CUDA only; components.fit)."""
+    from components.fit import check_fit, free_gpu_memory
+    from components.steps import describe_model
+
+    if not device.startswith("cuda"):
+        return
+    if weights is not None:
+        from components.engine.quant import is_fp8_checkpoint
+
+        quantization = "fp8" if is_fp8_checkpoint(Path(weights).expanduser()) else quantization
+    world = tensor_parallel_size * pipeline_parallel_size
+    ids = [int(device.partition(":")[2])] if ":" in device else list(range(data_parallel_size * world))
+    in_process = data_parallel_size == 1 and world == 1  # this process loads the engine itself
+    free = free_gpu_memory(ids, in_process)
+    if not free:
+        return
+    distilled = describe_model(model)[1].cfg_distilled
+    check_fit(model, free, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+              quantization=quantization, dtype=dtype, batch_size=batch_size if isinstance(batch_size, int) else 1,
+              kind=kind, max_new_tokens=generation["max_new_tokens"],
+              cfg_rows=1 if distilled or generation["guidance"] <= 1 else 2, gpus_visible=gpus)
+
+
+def visible_gpus(device: str) -> int | None:
+    """GPUs this job may use (None off CUDA); ARDIT_FAKE_GPU_MEMORY (test-only) pretends."""
+    from components.fit import fake_gpus
+
+    fake = fake_gpus()
+    if fake is not None:
+        return len(fake)
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: int, model: str,
               weights: str | None, dummy_weights: bool, tensor_parallel_size: int, quantization: str | None,
               kv_store: str | None, kv_reuse: bool, device: str, dtype: str | None, seed: int, batch_size: int,
               generation: dict[str, Any], greedy: bool = False, ar_from_run: str | None = None,
-              step_cache: float = 0.0, batch_invariant: bool = False) -> dict[str, Any]:
+              step_cache: float = 0.0, batch_invariant: bool = False, pipeline_parallel_size: int = 1,
+              data_parallel_size: int | None = None) -> dict[str, Any]:
     """Every check of a local job, cheapest first. Returns what the job needs resolved:
-    device, generation settings, the row validators and the settings each step remembers."""
+    device, data-parallel size, generation settings, the row validators and the settings each
+    step remembers."""
     from components.ar.run import ar_settings
     from components.data.runs import RunLayout
     from components.dit.run import dit_settings
@@ -151,6 +227,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
         KINDS,
         check_cuda_present,
         check_engine_options,
+        check_pipeline_stages,
         default_kv_store,
         model_validators,
         resolve_device,
@@ -162,7 +239,9 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     if not (isinstance(num_shards, int) and num_shards >= 1):
         raise ConfigError(f"--num-shards {num_shards!r}: must be a whole number >= 1")
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, batch_size=batch_size, device=device, step_cache=step_cache)
+                         seed=seed, batch_size=batch_size, device=device, step_cache=step_cache,
+                         pipeline_parallel_size=pipeline_parallel_size)
+    check_parallel_options(pipeline_parallel_size, data_parallel_size)
     try:
         layout = RunLayout.open(output, run_id)  # checks the run id; touches no storage yet
     except ConfigError:
@@ -182,6 +261,8 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     gen = resolve_generation(model, greedy=greedy, **generation)  # also resolves the model
     validators = model_validators(model)  # its tokenizer and resolution buckets load
     check_weights(model, weights, dummy_weights)
+    if pipeline_parallel_size > 1:
+        check_pipeline_stages(model, pipeline_parallel_size)
     ar = ({"ar_from_run": ar_from_run} if ar_from_run else
           ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, batch_invariant))
     dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache)
@@ -190,7 +271,15 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     manifest = check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
     finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
     device = resolve_device(device)
+    gpus = visible_gpus(device)
+    dp = parallel_layout(device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, gpus)
+    if not finished:
+        check_memory(model=model, device=device if gpus is None or device.startswith("cuda") else "cuda", gpus=gpus,
+                     data_parallel_size=dp if device.startswith("cuda") else 1,
+                     tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                     quantization=quantization, weights=weights, dtype=dtype, batch_size=batch_size, kind=kind,
+                     generation=gen)
     if kv_url is not None and not finished and kv_url.startswith("mooncake://"):
         check_kv_store(kv_url)  # its servers answer (an embedded store was checked above)
-    return {"device": device, "generation": gen, "validators": validators, "settings": {"ar": ar, "dit": dit},
-            "layout": layout, "finished": finished}
+    return {"device": device, "data_parallel_size": dp, "generation": gen, "validators": validators,
+            "settings": {"ar": ar, "dit": dit}, "layout": layout, "finished": finished}

@@ -9,6 +9,7 @@ and a line every `interval_s` while a long step runs.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -138,6 +139,30 @@ class NoProgress:
 
     def skip(self, label: str, why: str) -> None:
         pass
+
+
+class SharedProgress:
+    """A progress object that several threads report to (a job's data-parallel replicas): one
+    call at a time, so log lines and bars never interleave."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.lock = inner, threading.Lock()
+
+    def add_task(self, label: str, total: int) -> Any:
+        with self.lock:
+            return self.inner.add_task(label, total)
+
+    def advance(self, task: Any, n: int = 1) -> None:
+        with self.lock:
+            self.inner.advance(task, n)
+
+    def finish(self, task: Any) -> None:
+        with self.lock:
+            self.inner.finish(task)
+
+    def skip(self, label: str, why: str) -> None:
+        with self.lock:
+            self.inner.skip(label, why)
 
 
 def make_progress(mode: bool | str = "auto", job_steps: int = 0) -> LogProgress | RichProgress | NoProgress:

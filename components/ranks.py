@@ -9,6 +9,10 @@
            stopped, the step exits non-zero naming the rank, nothing of the shard in flight is
            committed (rank 0 commits only after every rank finished its collectives)
 
+A local job's data-parallel replicas are RankPools too, each on its own GPUs (`device_ids`); a
+replica of one rank is one process without a process group. Rank 0's progress (bars, log lines)
+travels back to the parent with the results, so one process draws it.
+
 NVLink multicast stays off for NCCL and PyTorch's symmetric memory (it can take shared GPUs out of
 service), unless the environment already says otherwise.
 """
@@ -37,20 +41,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_devices(world_size: int, device: str, pipeline_parallel_size: int = 1) -> None:
-    """One line when the machine cannot hold `world_size` x `pipeline_parallel_size` ranks on `device`."""
+def check_devices(world_size: int, device: str, pipeline_parallel_size: int = 1,
+                  device_ids: list[int] | None = None) -> None:
+    """One line when the machine cannot hold `world_size` x `pipeline_parallel_size` ranks on `device`
+    (on `device_ids`, one per rank)."""
     if world_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {world_size}")
     if pipeline_parallel_size < 1:
         raise ValueError(f"--pipeline-parallel-size must be >= 1, got {pipeline_parallel_size}")
+    need = world_size * pipeline_parallel_size
+    if device_ids is not None and len(device_ids) != need:
+        raise ValueError(f"{need} ranks need {need} device ids, got {device_ids}")
     if device.startswith("cuda"):
         import torch
 
-        have, need = torch.cuda.device_count(), world_size * pipeline_parallel_size
+        have = torch.cuda.device_count()
         if have < need:
             what = (f"--tensor-parallel-size {world_size}" if pipeline_parallel_size == 1 else
                     f"--tensor-parallel-size {world_size} x --pipeline-parallel-size {pipeline_parallel_size}")
             raise ValueError(f"{what} needs {need} GPUs, this machine has {have}")
+        if device_ids is not None and max(device_ids) >= have:
+            raise ValueError(f"GPU {max(device_ids)} is not visible: this machine has {have} GPU(s)")
 
 
 def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: str, timeout_s: float = 1800.0,
@@ -72,22 +83,30 @@ class RankPool:
     across calls, so a job of many shards loads its parallel engine once per rank (each rank keeps
     the engines it loaded) instead of once per shard step. `run` calls a step on every rank and
     returns rank 0's result; a failed rank fails that call with RankFailed and ends the pool (its
-    process group is gone)."""
+    process group is gone).
+
+    device_ids: the GPUs of this pool (rank r on cuda:device_ids[r]; default 0..ranks-1), so
+    data-parallel replicas each get their own. A pool of one rank (a replica at TP 1 x PP 1) runs
+    the step in its own process without a process group (parallel=None, as in one process).
+    cpu_threads: torch threads per rank on the CPU (default: the cores shared by the ranks)."""
 
     def __init__(self, world_size: int, device: str, timeout_s: float = 1800.0, cfg_parallel: bool = False,
-                 pipeline_parallel_size: int = 1):
+                 pipeline_parallel_size: int = 1, *, device_ids: list[int] | None = None,
+                 cpu_threads: int | None = None):
         if cfg_parallel and world_size % 2:
             raise ValueError(f"--cfg-parallel needs an even number of ranks, got {world_size}")
         if cfg_parallel and pipeline_parallel_size > 1:
             raise ValueError("--cfg-parallel does not combine with --pipeline-parallel-size > 1 (use one of them)")
-        check_devices(world_size, device, pipeline_parallel_size)
+        check_devices(world_size, device, pipeline_parallel_size, device_ids)
         self.pipeline_parallel_size = pipeline_parallel_size
         world_size *= pipeline_parallel_size  # processes: tp ranks in each of the pp stages
-        if world_size < 2 and not cfg_parallel:
-            raise ValueError(f"a rank pool needs at least 2 ranks, got {world_size}")
         self.world_size, self.device, self.timeout_s, self.cfg_parallel = world_size, device, timeout_s, cfg_parallel
+        self.device_ids = list(device_ids) if device_ids is not None else list(range(world_size))
+        self.cpu_threads = cpu_threads or max(1, (os.cpu_count() or 1) // world_size)
         self.procs: list = []
         self.broken = False
+        self.progress: Any = None  # where rank 0's progress of the running call goes
+        self.tasks_seen: dict[int, Any] = {}
 
     def __enter__(self) -> "RankPool":
         import torch.multiprocessing as mp
@@ -101,16 +120,20 @@ class RankPool:
         self.procs = [ctx.Process(target=_worker, args=(self.tasks[rank], rank, self.world_size, port, self.device,
                                                         self.timeout_s, self.results, self.cfg_parallel,
                                                         self.pipeline_parallel_size),
+                                  kwargs={"device_id": self.device_ids[rank], "cpu_threads": self.cpu_threads},
                                   daemon=False) for rank in range(self.world_size)]
         for p in self.procs:
             p.start()
         return self
 
-    def run(self, target: str, kwargs: dict[str, Any]) -> Any:
+    def run(self, target: str, kwargs: dict[str, Any], progress: Any = None) -> Any:
+        """`progress`: a components.progress object of this process; rank 0's step reports to it
+        (add_task / advance / finish / skip travel back with the results)."""
         if self.broken:
             raise RankFailed("the tensor-parallel ranks were stopped by an earlier failure")
-        for queue in self.tasks:
-            queue.put((target, kwargs))
+        self.progress, self.tasks_seen = progress, {}
+        for rank, queue in enumerate(self.tasks):
+            queue.put((target, kwargs, progress is not None and rank == 0))
         outcome: dict[int, tuple[str, Any]] = {}
         while len(outcome) < self.world_size:
             self._collect(outcome)
@@ -126,15 +149,27 @@ class RankPool:
     def _collect(self, outcome: dict) -> None:
         """Record every reported result, and every rank that died without reporting."""
         while not self.results.empty():
-            rank, status, value = self.results.get()
-            outcome[rank] = (status, value)
+            self._record(outcome, *self.results.get())
         for rank, p in enumerate(self.procs):
             if rank not in outcome and not p.is_alive():
                 p.join()
                 while not self.results.empty():  # it may have reported just before exiting
-                    r, status, value = self.results.get()
-                    outcome[r] = (status, value)
+                    self._record(outcome, *self.results.get())
                 outcome.setdefault(rank, ("error", f"exited with code {p.exitcode} (killed or crashed)"))
+
+    def _record(self, outcome: dict, rank: int, status: str, value: Any) -> None:
+        if status != "progress":
+            outcome[rank] = (status, value)
+            return
+        method, handle, args = value  # rank 0's step reporting progress (see _ForwardedProgress)
+        if self.progress is None:
+            return
+        if method == "add_task":
+            self.tasks_seen[handle] = self.progress.add_task(*args)
+        elif method == "skip":
+            self.progress.skip(*args)
+        elif handle in self.tasks_seen:
+            getattr(self.progress, method)(self.tasks_seen[handle], *args)
 
     def __exit__(self, *exc) -> None:
         if not self.broken:
@@ -209,28 +244,60 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
+class _ForwardedProgress:
+    """Rank 0's progress object: each call travels to the parent with the results, where the
+    pool hands it to the parent's progress (one bar per step, drawn by one process)."""
+
+    def __init__(self, results, rank: int):
+        self.results, self.rank, self.handles = results, rank, 0
+
+    def _send(self, method: str, handle: int | None, *args: Any) -> None:
+        self.results.put((self.rank, "progress", (method, handle, args)))
+
+    def add_task(self, label: str, total: int) -> int:
+        self.handles += 1
+        self._send("add_task", self.handles, label, total)
+        return self.handles
+
+    def advance(self, task: int, n: int = 1) -> None:
+        self._send("advance", task, n)
+
+    def finish(self, task: int) -> None:
+        self._send("finish", task)
+
+    def skip(self, label: str, why: str) -> None:
+        self._send("skip", None, label, why)
+
+
 def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: float, results,
-            cfg_parallel: bool = False, pipeline_parallel_size: int = 1) -> None:
-    """A rank: join the process group once, then run each (target, kwargs) from `tasks` until None."""
+            cfg_parallel: bool = False, pipeline_parallel_size: int = 1, *, device_id: int | None = None,
+            cpu_threads: int | None = None) -> None:
+    """A rank: join the process group once, then run each (target, kwargs) from `tasks` until None.
+    A lone rank (world 1, a data-parallel replica at TP 1 x PP 1) has no process group: parallel=None."""
     import torch
     import torch.distributed as dist
 
     try:
         on_gpu = device.startswith("cuda")
         if on_gpu:
-            torch.cuda.set_device(rank)
-            dev = torch.device("cuda", rank)
+            gpu = rank if device_id is None else device_id
+            torch.cuda.set_device(gpu)
+            dev = torch.device("cuda", gpu)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 1) // world))
             dev = torch.device("cpu")
-        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        ctx = _context(rank, world, dev, cfg_parallel, pipeline_parallel_size)
+        grouped = world > 1 or cfg_parallel
+        if grouped:
+            dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        ctx = _context(rank, world, dev, cfg_parallel, pipeline_parallel_size) if grouped else None
         while (task := tasks.get()) is not None:
-            target, kwargs = task
-            value = _resolve(target)(**{**kwargs, "device": str(dev)}, parallel=ctx)
+            target, kwargs, reports = task
+            extra = {"progress": _ForwardedProgress(results, rank)} if reports else {}
+            value = _resolve(target)(**{**kwargs, "device": str(dev)}, **extra, parallel=ctx)
             results.put((rank, "ok", value if rank == 0 else None))
-        dist.destroy_process_group()
+        if grouped:
+            dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - report every failure to the parent, then die
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         if os.environ.get("ARDIT_DEBUG"):

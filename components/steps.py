@@ -476,19 +476,19 @@ def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_para
     """Call a step's `run` (`module:function`) in this process, or, with tensor_parallel_size N and
     pipeline_parallel_size P, N * P > 1 (or a CFG-parallel DiT), on N * P rank processes: every
     rank computes, rank 0 reads and writes. `pool`: a components.ranks.RankPool that outlives this
-    step (a job's shards then share the ranks' engines); without one the ranks start and stop with
-    the step. Returns rank 0's result."""
+    step (a job's shards then share the ranks' engines; a data-parallel replica is one, even of one
+    rank); without one the ranks start and stop with the step. Returns rank 0's result."""
     import importlib
 
     world = int(kwargs.get("tensor_parallel_size") or 1)
     stages = int(kwargs.get("pipeline_parallel_size") or 1)
-    if world == 1 and stages == 1 and not cfg_parallel:
-        module, _, name = target.partition(":")
-        return getattr(importlib.import_module(module), name)(**kwargs, progress=progress)
     if stages > 1:
         check_pipeline_stages(kwargs.get("model", "tiny"), stages)
     if pool is not None:
-        return pool.run(target, kwargs)
+        return pool.run(target, kwargs, progress)
+    if world == 1 and stages == 1 and not cfg_parallel:
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)(**kwargs, progress=progress)
     from components.ranks import run_on_ranks
 
     try:
@@ -506,17 +506,20 @@ def check_pipeline_stages(model: str, stages: int) -> None:
                    "stages")
 
 
-def rank_pool(tensor_parallel_size: int, device: str, pipeline_parallel_size: int = 1) -> Any:
-    """A context manager: a RankPool for a job's tensor- / pipeline-parallel steps, or nothing at
-    TP 1 x PP 1."""
+def rank_pool(tensor_parallel_size: int, device: str, pipeline_parallel_size: int = 1, *,
+              device_ids: list[int] | None = None, cpu_threads: int | None = None, own_process: bool = False) -> Any:
+    """A context manager: a RankPool for a job's tensor- / pipeline-parallel steps (tp x pp ranks on
+    `device_ids`), or nothing at TP 1 x PP 1, where the steps run in this process, unless
+    `own_process` (a data-parallel replica runs in a process of its own, even at one rank)."""
     import contextlib
 
-    if tensor_parallel_size * pipeline_parallel_size <= 1:
+    if tensor_parallel_size * pipeline_parallel_size <= 1 and not own_process:
         return contextlib.nullcontext(None)
     from components.ranks import RankPool
 
     try:
-        return RankPool(tensor_parallel_size, device, pipeline_parallel_size=pipeline_parallel_size)
+        return RankPool(tensor_parallel_size, device, pipeline_parallel_size=pipeline_parallel_size,
+                        device_ids=device_ids, cpu_threads=cpu_threads)
     except ValueError as exc:  # more ranks than GPUs
         raise ConfigError(str(exc)) from None
 

@@ -3,7 +3,8 @@ generation and accuracy sweeps, and a CronWorkflow for scheduled generation.
 
 DAG: shard -> fan-out over shard indices (withSequence, bounded by ``parallelism``) of a per-shard
 DAG (AR -> DiT) -> summary. Shards are independent, so the AR of one shard overlaps the DiT of
-another. Step templates take every per-run value as an input; only the top DAG binds them, which
+another; the fan-out is the data parallelism of a cluster run (a local job's ``--dp``), and each AR
+/ DiT pod asks for one model copy's GPUs, tensor_parallel_size x pipeline_parallel_size. Step templates take every per-run value as an input; only the top DAG binds them, which
 lets the CronWorkflow bind ``run_id`` to its scheduled time.
 
 The weights PVC is a run parameter, and a pod cannot mount a PVC with an empty name, so the
@@ -53,6 +54,8 @@ CRON_NAME = "ardit-generate-dataset-cron"
 CRON_RUN_ID_KEEP = "[^0-9A-Za-z]"
 CRON_RUN_ID = "scheduled-{{=sprig.regexReplaceAll('" + CRON_RUN_ID_KEEP + "', workflow.scheduledTime, '')}}"
 WEIGHTS_SUFFIX = "-weights"
+GPUS_PER_MODEL = ("{{=asInt(inputs.parameters.tensor_parallel_size) * "
+                  "asInt(inputs.parameters.pipeline_parallel_size)}}")
 
 
 def _inputs(name: str) -> str:
@@ -79,10 +82,14 @@ def container_security_context() -> Any:
                              run_as_non_root=True)
 
 
-def _gpu_count_patch() -> str:
+def _gpu_count_patch(step: str) -> str:
     # Quantities cannot hold a template, so the GPU count goes through podSpecPatch (Argo's way of
-    # parameterising resources); it replaces the static count of 1 in the template.
+    # parameterising resources); it replaces the static count of 1 in the template. A model copy
+    # takes tensor_parallel_size x pipeline_parallel_size GPUs (an expression template); the sweep
+    # pod is sized by tensor_parallel_size alone.
     gpus = _inputs("tensor_parallel_size")
+    if "pipeline_parallel_size" in STEP_INPUTS[step]:
+        gpus = GPUS_PER_MODEL
     patch = {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": gpus},
                                                            "requests": {"nvidia.com/gpu": gpus}}}]}
     return json.dumps(patch, separators=(",", ":"))
@@ -122,7 +129,7 @@ def _step(step: str, s: ClusterSettings, with_weights: bool = False, volume_moun
         inputs=[Parameter(name=n) for n in inputs],
         resources=Resources(cpu_request=pool.cpu, memory_request=pool.memory, memory_limit=pool.memory,
                             gpus=1 if gpu else None),
-        pod_spec_patch=_gpu_count_patch() if gpu else None,
+        pod_spec_patch=_gpu_count_patch(step) if gpu else None,
         node_selector=pool.node_selector or None,
         tolerations=[m.Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect)
                      for t in pool.tolerations] or None,

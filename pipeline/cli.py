@@ -60,7 +60,12 @@ Weights = Annotated[Optional[str], typer.Option(
     "--weights", help="safetensors directory (default: the checkpoint's; presets: seeded random weights)")]
 DummyWeights = Annotated[bool, typer.Option(
     "--dummy-weights", help="seeded random weights with the model's config (implied for hunyuan-image-3)")]
-TP = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", help="GPUs per model copy")]
+TP = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", help="GPUs per pipeline stage of a model copy")]
+PP = Annotated[int, typer.Option(
+    "--pipeline-parallel-size", "--pp", help="pipeline stages per model copy (a model copy takes tp x pp GPUs)")]
+DP = Annotated[Optional[int], typer.Option(
+    "--data-parallel-size", "--dp", help="model copies working through the shards side by side (default: as many "
+    "as the visible GPUs hold, GPUs / (tp x pp); 1 on the CPU)")]
 Quantization = Annotated[Optional[str], typer.Option("--quantization", help="fp8 (default: none)")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 (default: the model config's)")]
 Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
@@ -185,8 +190,9 @@ def _job_command(kind: str):
         dataset: Dataset,
         output: Output = "outputs", run_id: RunId = None, num_shards: Shards = 2, kv_store: KVStore = None,
         model: Model = "tiny", weights: Weights = None, dummy_weights: DummyWeights = False,
-        tensor_parallel_size: TP = 1, quantization: Quantization = None, dtype: Dtype = None,
-        device: Device = "auto", steps: Steps = None, guidance: Guidance = None, flow_shift: FlowShift = None,
+        tensor_parallel_size: TP = 1, pipeline_parallel_size: PP = 1, data_parallel_size: DP = None,
+        quantization: Quantization = None, dtype: Dtype = None, device: Device = "auto", steps: Steps = None,
+        guidance: Guidance = None, flow_shift: FlowShift = None,
         bot_task: BotTask = None, system_prompt: SystemPrompt = None, max_new_tokens: MaxNewTokens = None,
         temperature: Temperature = None, top_k: TopK = None, top_p: TopP = None, greedy: Greedy = False,
         no_kv_reuse: NoKVReuse = False, seed: Seed = 0, batch_size: BatchSize = "auto", step_cache: StepCache = 0.0,
@@ -196,8 +202,10 @@ def _job_command(kind: str):
         from components.steps import batch_size_value
 
         _run(kind, dataset, output, run_id, num_shards=num_shards, kv_store=kv_store, model=model, weights=weights,
-             dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
-             dtype=dtype, device=device, steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
+             dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
+             pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
+             quantization=quantization, dtype=dtype, device=device, steps=steps, guidance=guidance,
+             flow_shift=flow_shift, bot_task=bot_task,
              system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
              top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=batch_size_value(batch_size),
              step_cache=step_cache, batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,

@@ -69,6 +69,7 @@ RUN_PARAMETERS: dict[str, str | None] = {
     "model": "tiny",
     "weights_pvc": "",
     "tensor_parallel_size": "1",
+    "pipeline_parallel_size": "1",  # a step pod asks for tensor_parallel_size x pipeline_parallel_size GPUs
     "quantization": "",
     "steps": "",
     "guidance": "",
@@ -86,10 +87,10 @@ SWEEP_PARAMETERS: dict[str, str | None] = {
 # Which parameters each step template takes (besides the fixed ones).
 STEP_INPUTS = {
     "shard": ("dataset", "output", "run_id", "num_shards", "kind", "model", "weights_pvc"),
-    "ar": ("output", "run_id", "shard", "model", "weights_pvc", "tensor_parallel_size", "quantization", "kv_store",
-           "bot_task", "batch_invariant"),
-    "dit": ("output", "run_id", "shard", "model", "weights_pvc", "tensor_parallel_size", "quantization", "kv_store",
-            "steps", "guidance", "step_cache"),
+    "ar": ("output", "run_id", "shard", "model", "weights_pvc", "tensor_parallel_size", "pipeline_parallel_size",
+           "quantization", "kv_store", "bot_task", "batch_invariant"),
+    "dit": ("output", "run_id", "shard", "model", "weights_pvc", "tensor_parallel_size", "pipeline_parallel_size",
+            "quantization", "kv_store", "steps", "guidance", "step_cache"),
     "summary": ("output", "run_id"),
     "sweep": ("sweep_id", "weights_pvc", "tensor_parallel_size"),
 }
@@ -185,8 +186,9 @@ def step_args(step: str, **values: Any) -> list[Any]:
         return common
     if step in ("ar", "dit"):
         args = [*common, "--shard", v["shard"], "--model", v["model"],
-                "--tensor-parallel-size", v.get("tensor_parallel_size", 1), "--quantization", v.get("quantization", ""),
-                "--kv-store", v["kv_store"]]
+                "--tensor-parallel-size", v.get("tensor_parallel_size", 1),
+                "--pipeline-parallel-size", v.get("pipeline_parallel_size", 1),
+                "--quantization", v.get("quantization", ""), "--kv-store", v["kv_store"]]
         if step == "ar":
             args += ["--bot-task", v.get("bot_task", ""), "--batch-invariant", v.get("batch_invariant", "")]
         else:
@@ -207,7 +209,7 @@ class Toleration:
 @dataclass(frozen=True)
 class Pool:
     """A node pool and the resources one step pod asks for there (GPU pods ask for
-    ``tensor_parallel_size`` GPUs, a run parameter)."""
+    ``tensor_parallel_size`` x ``pipeline_parallel_size`` GPUs, run parameters)."""
 
     cpu: str
     memory: str

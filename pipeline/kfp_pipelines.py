@@ -78,6 +78,14 @@ def _components(s: ClusterSettings) -> dict[str, Any]:
         return dsl.ContainerSpec(image=s.tools_image, command=["python", "-c", code], args=[num_shards, indices])
 
     @dsl.container_component
+    def gpus_per_model(tensor_parallel_size: int, pipeline_parallel_size: int, gpus: dsl.OutputPath(int)):
+        """tp x pp: the GPUs of one model copy, which each AR / DiT pod asks for (KFP cannot multiply
+        two pipeline parameters itself)."""
+        code = "import sys; open(sys.argv[3],'w').write(str(int(sys.argv[1]) * int(sys.argv[2])))"
+        return dsl.ContainerSpec(image=s.tools_image, command=["python", "-c", code],
+                                 args=[tensor_parallel_size, pipeline_parallel_size, gpus])
+
+    @dsl.container_component
     def scheduled_run_id(schedule_time: str, run_id: dsl.OutputPath(str)):
         return dsl.ContainerSpec(image=s.tools_image, command=["python", "-c", _SCHEDULED_RUN_ID],
                                  args=[schedule_time, run_id])
@@ -90,18 +98,22 @@ def _components(s: ClusterSettings) -> dict[str, Any]:
 
     @dsl.container_component
     def ar(output: str, run_id: str, shard: int, model: str, weights_pvc: str, tensor_parallel_size: int,
-           quantization: str, kv_store: str, bot_task: str, batch_invariant: str):
+           pipeline_parallel_size: int, gpus: int, quantization: str, kv_store: str, bot_task: str,
+           batch_invariant: str):
         args = step_args("ar", output=output, run_id=run_id, shard=shard, model=model,
-                         tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_store=kv_store,
-                         bot_task=bot_task, batch_invariant=batch_invariant)
+                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                         quantization=quantization, kv_store=kv_store, bot_task=bot_task,
+                         batch_invariant=batch_invariant)
         return dsl.ContainerSpec(image=image("ar"), command=_command("ar", s, weights_pvc), args=args)
 
     @dsl.container_component
     def dit(output: str, run_id: str, shard: int, model: str, weights_pvc: str, tensor_parallel_size: int,
-            quantization: str, kv_store: str, steps: str, guidance: str, step_cache: str):
+            pipeline_parallel_size: int, gpus: int, quantization: str, kv_store: str, steps: str, guidance: str,
+            step_cache: str):
         args = step_args("dit", output=output, run_id=run_id, shard=shard, model=model,
-                         tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_store=kv_store,
-                         steps=steps, guidance=guidance, step_cache=step_cache)
+                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                         quantization=quantization, kv_store=kv_store, steps=steps, guidance=guidance,
+                         step_cache=step_cache)
         return dsl.ContainerSpec(image=image("dit"), command=_command("dit", s, weights_pvc), args=args)
 
     @dsl.container_component
@@ -114,21 +126,23 @@ def _components(s: ClusterSettings) -> dict[str, Any]:
         return dsl.ContainerSpec(image=image("sweep"), command=_command("sweep", s),
                                  args=step_args("sweep", spec=SWEEP_SPEC, output=SWEEP_OUTPUT, sweep_id=sweep_id))
 
-    return {"shard_indices": shard_indices, "scheduled_run_id": scheduled_run_id, "shard": shard, "ar": ar,
+    return {"shard_indices": shard_indices, "gpus_per_model": gpus_per_model,
+            "scheduled_run_id": scheduled_run_id, "shard": shard, "ar": ar,
             "dit": dit, "summary": summary, "sweep": sweep}
 
 
 def _place(task: Any, step: str | None, s: ClusterSettings, *, weights_pvc: Any = None,
-           tensor_parallel_size: Any = None) -> Any:
+           gpus: Any = None) -> Any:
     """Resources, node pool, credentials, endpoints, security, deadline and caching of one task.
 
-    ``step`` None: a pure helper (no credentials, no endpoints)."""
+    ``step`` None: a pure helper (no credentials, no endpoints). ``gpus``: what a GPU step asks for
+    (a pipeline parameter or a task output)."""
     from kfp import kubernetes
 
     pool = _pool(step or "", s)
     task.set_cpu_request(pool.cpu).set_memory_request(pool.memory).set_memory_limit(pool.memory)
     if step in GPU_STEPS:
-        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(tensor_parallel_size)
+        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(gpus)
         kubernetes.empty_dir_mount(task, volume_name="shm", mount_path=SHM_MOUNT, medium="Memory",
                                    size_limit=pool.shm_size)
     for key, value in pool.node_selector.items():
@@ -168,14 +182,19 @@ def _shard_ar_dit_summary(c: dict[str, Any], s: ClusterSettings, kind: str, p: d
                                 weights_pvc=p["weights_pvc"]),
                      "shard", s, weights_pvc=weights_pvc).set_display_name("shard")
     indices = _place(c["shard_indices"](num_shards=p["num_shards"]), None, s).set_display_name("shard-indices")
-    common = {k: p[k] for k in ("output", "run_id", "model", "weights_pvc", "tensor_parallel_size", "quantization",
-                                "kv_store")}
+    gpus = _place(c["gpus_per_model"](tensor_parallel_size=p["tensor_parallel_size"],
+                                      pipeline_parallel_size=p["pipeline_parallel_size"]), None, s) \
+        .set_display_name("gpus-per-model").outputs["gpus"]
+    # `gpus` is also an input of the AR / DiT tasks (their command does not use it), so KFP brings it
+    # into the loop, where the accelerator count can refer to it
+    common = {k: p[k] for k in ("output", "run_id", "model", "weights_pvc", "tensor_parallel_size",
+                                "pipeline_parallel_size", "quantization", "kv_store")} | {"gpus": gpus}
+    # the fan-out over shards is the data parallelism of a cluster run: one pod per shard step
     with dsl.ParallelFor(items=indices.outputs["indices"], parallelism=s.max_parallel_shards) as k:
-        ar = _place(c["ar"](shard=k, bot_task=p["bot_task"], batch_invariant=p["batch_invariant"], **common), "ar", s, weights_pvc=weights_pvc,
-                    tensor_parallel_size=p["tensor_parallel_size"]).set_display_name("ar").after(sharded)
+        ar = _place(c["ar"](shard=k, bot_task=p["bot_task"], batch_invariant=p["batch_invariant"], **common), "ar", s,
+                    weights_pvc=weights_pvc, gpus=gpus).set_display_name("ar").after(sharded)
         dit = _place(c["dit"](shard=k, steps=p["steps"], guidance=p["guidance"], step_cache=p["step_cache"],
-                              **common), "dit", s,
-                     weights_pvc=weights_pvc, tensor_parallel_size=p["tensor_parallel_size"]) \
+                              **common), "dit", s, weights_pvc=weights_pvc, gpus=gpus) \
             .set_display_name("dit").after(ar)
     _place(c["summary"](output=p["output"], run_id=p["run_id"]), "summary", s) \
         .set_display_name("summary").after(dit)
@@ -201,24 +220,25 @@ def build_pipelines(settings: ClusterSettings | None = None) -> dict[str, Callab
     # Defaults as in pipeline.cluster.RUN_PARAMETERS (KFP wants them in the signature).
     @dsl.pipeline(name="ardit-batch-edit", description="Edit every row of a dataset: shard -> AR -> DiT -> summary")
     def batch_edit(dataset: str, output: str, run_id: str, num_shards: int = 4, model: str = "tiny",
-                   weights_pvc: str = "", tensor_parallel_size: int = 1, quantization: str = "", steps: str = "",
-                   guidance: str = "", bot_task: str = "", batch_invariant: str = "", step_cache: str = "",
-                   kv_store: str = KV_STORE_FROM_CONFIGMAP):
+                   weights_pvc: str = "", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                   quantization: str = "", steps: str = "", guidance: str = "", bot_task: str = "",
+                   batch_invariant: str = "", step_cache: str = "", kv_store: str = KV_STORE_FROM_CONFIGMAP):
         _both_variants(c, s, "edit", dict(locals()))
 
     @dsl.pipeline(name="ardit-generate-dataset", description="Generate images for a prompt dataset")
     def generate_dataset(dataset: str, output: str, run_id: str, num_shards: int = 4, model: str = "tiny",
-                         weights_pvc: str = "", tensor_parallel_size: int = 1, quantization: str = "",
-                         steps: str = "", guidance: str = "", bot_task: str = "", batch_invariant: str = "",
-                         step_cache: str = "", kv_store: str = KV_STORE_FROM_CONFIGMAP):
+                         weights_pvc: str = "", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                         quantization: str = "", steps: str = "", guidance: str = "", bot_task: str = "",
+                         batch_invariant: str = "", step_cache: str = "", kv_store: str = KV_STORE_FROM_CONFIGMAP):
         _both_variants(c, s, "generate", dict(locals()))
 
     @dsl.pipeline(name="ardit-generate-dataset-scheduled",
                   description="generate_dataset for a recurring run: the run id comes from the schedule time")
     def generate_dataset_scheduled(dataset: str, output: str, num_shards: int = 4, model: str = "tiny",
-                                   weights_pvc: str = "", tensor_parallel_size: int = 1, quantization: str = "",
-                                   steps: str = "", guidance: str = "", bot_task: str = "",
-                                   batch_invariant: str = "", step_cache: str = "",
+                                   weights_pvc: str = "", tensor_parallel_size: int = 1,
+                                   pipeline_parallel_size: int = 1, quantization: str = "", steps: str = "",
+                                   guidance: str = "", bot_task: str = "", batch_invariant: str = "",
+                                   step_cache: str = "",
                                    kv_store: str = KV_STORE_FROM_CONFIGMAP):
         p = dict(locals())
         run_id = _place(c["scheduled_run_id"](schedule_time=dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER), None, s)
@@ -233,7 +253,7 @@ def build_pipelines(settings: ClusterSettings | None = None) -> dict[str, Callab
 
         def one(pvc: Any) -> None:
             task = _place(c["sweep"](sweep_id=sweep_id), "sweep", s, weights_pvc=pvc,
-                          tensor_parallel_size=tensor_parallel_size).set_display_name("sweep")
+                          gpus=tensor_parallel_size).set_display_name("sweep")
             kubernetes.use_config_map_as_volume(task, config_map_name=spec_config_map,
                                                 mount_path=str(PurePosixPath(SWEEP_SPEC).parent))
             kubernetes.mount_pvc(task, pvc_name=s.sweep_pvc, mount_path=SWEEP_OUTPUT)

@@ -1,19 +1,36 @@
-"""One-machine runs: checks -> shard -> (AR -> DiT) per shard -> summary, in this process.
+"""One-machine runs: checks -> shard -> (AR -> DiT) per shard -> summary.
 
-The same step functions the containers run (`components.*.run`), called in order with one engine
-loaded once. `ardit edit` / `ardit generate` and the accuracy sweeps use it.
+The same step functions the containers run (`components.*.run`). Each model copy (a data-parallel
+replica: tp x pp GPUs) loads its engine once for the whole job, and its AR and DiT steps share it.
+Shards go to the replicas through a work queue: a free replica takes the next shard and runs its
+AR step, then its DiT step. A replica that fails (a rank raised or died) gives its shard back and
+retires; the others finish the job. `ardit edit` / `ardit generate` and the accuracy sweeps use it.
+
+    --dp 1, tp x pp = 1   the steps run in this process (as before)
+    --dp 1, tp x pp > 1   one RankPool of tp x pp ranks on GPUs 0 .. tp*pp-1
+    --dp N                N RankPools (one thread each feeds its pool), replica r on GPUs
+                          r*tp*pp .. (r+1)*tp*pp-1; on the CPU N processes
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+# The step functions a shard runs (module:function, importable by rank processes).
+STEP_TARGETS = {"ar": "components.ar.run:run", "dit": "components.dit.run:run"}
+
+
+class ReplicasFailed(RuntimeError):
+    """Every data-parallel replica failed; the shards left were not committed (a re-run resumes)."""
+
 
 def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_shards: int = 1,
             model: str = "tiny", weights: str | None = None, dummy_weights: bool = False,
-            tensor_parallel_size: int = 1, quantization: str | None = None, kv_store: str | None = None,
+            tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int | None = None,
+            quantization: str | None = None, kv_store: str | None = None,
             steps: int | None = None, guidance: float | None = None, flow_shift: float | None = None, seed: int = 0,
             kv_reuse: bool = True, dtype: str | None = None, temperature: float | None = None,
             top_k: int | None = None, top_p: float | None = None, greedy: bool = False, bot_task: str | None = None,
@@ -28,12 +45,15 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     depends on is checked before any work (ConfigError, one line); resuming a run with other
     settings is refused (SettingsConflictError, a ConfigError). `on_start` is called once the
     checks passed, before any work. A run whose shards are all committed does no work and loads
-    nothing: its summary comes back with `nothing_to_do` set (and `on_start` is not called)."""
+    nothing: its summary comes back with `nothing_to_do` set (and `on_start` is not called).
+    `data_parallel_size`: model copies (None: as many as the visible GPUs hold, 1 on the CPU);
+    `pipeline_parallel_size` x `tensor_parallel_size` GPUs each."""
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
-    from components.steps import check_bench_cot, check_engine_options, quantization_option, rank_pool, run_step
+    from components.steps import check_bench_cot, check_engine_options, quantization_option
     from components.summary.run import run as run_summary
+    from components.summary.run import summarize
 
     quantization = quantization_option(quantization)  # "none" (a sweep's, a user's) is no quantization
     check_engine_options(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
@@ -45,7 +65,8 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
                      weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
                      quantization=quantization, kv_store=kv_store, kv_reuse=kv_reuse, device=device, dtype=dtype,
                      seed=seed, batch_size=batch_size, generation=generation, greedy=greedy,
-                     ar_from_run=ar_from_run, step_cache=step_cache, batch_invariant=batch_invariant)
+                     ar_from_run=ar_from_run, step_cache=step_cache, batch_invariant=batch_invariant,
+                     pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size)
     gen, layout = plan["generation"], plan["layout"]
     if plan["finished"]:
         return {**(layout.read_json(layout.summary_key) or run_summary(output, run_id)), "nothing_to_do": True}
@@ -62,26 +83,135 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     engine = dict(model=model, weights=weights, dummy_weights=dummy_weights,
                   tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_store=kv_store,
                   device=plan["device"], dtype=dtype, seed=seed)
+    if pipeline_parallel_size != 1:
+        engine["pipeline_parallel_size"] = pipeline_parallel_size
+
+    def shard_steps(shard: int) -> list[tuple[str, dict[str, Any]]]:
+        ar = dict(output=output, run_id=run_id, shard=shard, batch_size=batch_size, export_kv=kv_reuse,
+                  batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
+                  max_num_batched_tokens=max_num_batched_tokens, **{k: gen[k] for k in AR_GENERATION}, **engine)
+        dit = dict(output=output, run_id=run_id, shard=shard, steps=gen["steps"], guidance=gen["guidance"],
+                   flow_shift=gen["flow_shift"], kv_reuse=kv_reuse, save_latents=save_latents, step_cache=step_cache,
+                   **engine)
+        return ([] if ar_from_run else [(STEP_TARGETS["ar"], ar)]) + [(STEP_TARGETS["dit"], dit)]
+
     todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
-    # at TP > 1 the steps run on rank processes that live for the whole job: each rank loads its
-    # slice of the engine once, and AR and DiT steps of every shard share it
-    with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2)) as bars, \
-            rank_pool(tensor_parallel_size if todo else 1, plan["device"]) as pool:
-        for shard in todo:
-            if not ar_from_run:
-                run_step("components.ar.run:run", dict(
-                    output=output, run_id=run_id, shard=shard, batch_size=batch_size, export_kv=kv_reuse,
-                    batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    **{k: gen[k] for k in ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k",
-                                           "top_p")}, **engine), bars, pool=pool)
-            run_step("components.dit.run:run", dict(
-                output=output, run_id=run_id, shard=shard, steps=gen["steps"], guidance=gen["guidance"],
-                flow_shift=gen["flow_shift"], kv_reuse=kv_reuse, save_latents=save_latents, step_cache=step_cache,
-                **engine), bars, pool=pool)
-    summary = run_summary(output, run_id)
+    dp = min(plan["data_parallel_size"], max(len(todo), 1))  # no replica without a shard to take
+    with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2)) as bars:
+        replicas = run_replicas(todo, shard_steps, bars, dp, tensor_parallel_size, pipeline_parallel_size,
+                                plan["device"])
+    summary = summarize(layout)
+    for entry in summary["shards"]:
+        if entry["shard"] in replicas.ran:
+            entry["replica"] = replicas.ran[entry["shard"]]
+    summary["data_parallel"] = {"replicas": dp, "failed": replicas.failed}
+    layout.write_json(layout.summary_key, summary)
+    if replicas.left:
+        raise ReplicasFailed(f"every data-parallel replica failed ({'; '.join(f['error'] for f in replicas.failed)}); "
+                             f"shard(s) {replicas.left} were not committed: run the same command again to resume")
     summary.setdefault("wall_s", round(time.perf_counter() - t0, 3))
     return summary
+
+
+AR_GENERATION = ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k", "top_p")
+
+
+class _Replicas:
+    """What the replicas did: which replica ran each shard, the failures, the shards left over."""
+
+    def __init__(self, todo: list[int]):
+        self.pending = list(todo)
+        self.in_flight = 0
+        self.ran: dict[int, int] = {}
+        self.failed: list[dict[str, Any]] = []
+        self.left: list[int] = []
+        self.changed = threading.Condition()
+        self.stop = threading.Event()
+        self.pools: dict[int, Any] = {}
+
+    def take(self) -> int | None:
+        """The next shard, waiting while others are in flight (a failure may give one back);
+        None when nothing is left to do."""
+        with self.changed:
+            while not self.pending and self.in_flight and not self.stop.is_set():
+                self.changed.wait(0.5)
+            if not self.pending or self.stop.is_set():
+                return None
+            self.in_flight += 1
+            return self.pending.pop(0)
+
+    def done(self, shard: int, replica: int, error: str | None = None) -> None:
+        with self.changed:
+            self.in_flight -= 1
+            if error is None:
+                self.ran[shard] = replica
+            else:  # back to the queue, first in line
+                self.pending.insert(0, shard)
+                self.failed.append({"replica": replica, "shard": shard, "error": error})
+            self.changed.notify_all()
+
+
+def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[str, dict[str, Any]]]], bars: Any,
+                 data_parallel_size: int, tensor_parallel_size: int, pipeline_parallel_size: int,
+                 device: str) -> _Replicas:
+    """Run every shard of `todo` (its steps from `shard_steps`) on `data_parallel_size` replicas."""
+    import os
+
+    from components.progress import SharedProgress
+    from components.steps import rank_pool, run_step
+
+    state = _Replicas(todo)
+    world = tensor_parallel_size * pipeline_parallel_size
+    if not todo:
+        return state
+
+    def replica(index: int, progress: Any) -> None:
+        own = data_parallel_size > 1  # a replica in processes of its own (its pool), fed by this thread
+        ids = list(range(index * world, (index + 1) * world)) if device == "cuda" and own else None
+        threads = max(1, (os.cpu_count() or 1) // (data_parallel_size * world)) if own else None
+        shard, error = None, None
+        try:
+            with rank_pool(tensor_parallel_size, device, pipeline_parallel_size=pipeline_parallel_size,
+                           device_ids=ids, cpu_threads=threads, own_process=own) as pool:
+                state.pools[index] = pool
+                while (shard := state.take()) is not None:
+                    for target, kwargs in shard_steps(shard):
+                        run_step(target, kwargs, progress, pool=pool)
+                    state.done(shard, index)
+        except Exception as exc:  # noqa: BLE001 - the replica is gone; its shard goes back to the queue
+            if not own:
+                raise  # the only replica: the job fails as it always did (nothing uncommitted is trusted)
+            error = f"replica {index}: {type(exc).__name__}: {exc}"
+        finally:
+            state.pools.pop(index, None)
+        if error is not None:  # its ranks are stopped (the pool closed) before another replica redoes it
+            if shard is None:
+                with state.changed:
+                    state.failed.append({"replica": index, "shard": None, "error": error})
+                    state.changed.notify_all()
+            else:
+                state.done(shard, index, error)
+
+    if data_parallel_size == 1:  # in this thread: Ctrl-C and errors behave as they always did
+        replica(0, bars)
+    else:
+        shared = SharedProgress(bars)
+        threads = [threading.Thread(target=replica, args=(r, shared), name=f"replica-{r}", daemon=True)
+                   for r in range(data_parallel_size)]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)
+        except KeyboardInterrupt:
+            state.stop.set()
+            for pool in list(state.pools.values()):
+                for p in pool.procs if pool is not None else []:
+                    p.terminate()
+            raise
+    state.left = sorted(state.pending)
+    return state
 
 
 def run_status(output: str, run_id: str) -> dict[str, Any]:

@@ -37,6 +37,8 @@ def run_job_adapter(params: dict[str, Any], output: Path, run_id: str, ar_from: 
     if ar_from:
         kwargs[AR_FROM_PARAM] = ar_from
     sig = inspect.signature(run_job)
+    if "data_parallel_size" in sig.parameters:  # one model copy per config: its timings compare configs
+        kwargs.setdefault("data_parallel_size", 1)
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
     notes: list[str] = []
     if not takes_any:

@@ -216,3 +216,84 @@ def pipeline_group(outdir: str, device: str, parallel) -> None:
         pickle.dump({"together": [o.latents for o in together], "alone": [o.latents for o in alone],
                      "paths": [o.kv_path for o in together], "in_flight": together[0].timings["dit_rows_in_flight"]},
                     f)
+
+
+# ------------------------------------------------------------- data-parallel replicas (pipeline.local)
+# run_job's STEP_TARGETS point here in tests; each wraps the real step in the replica's process.
+
+def _step(name: str):
+    from pipeline.local import STEP_TARGETS
+
+    module, _, function = STEP_TARGETS[name].partition(":")
+    import importlib
+
+    return getattr(importlib.import_module(module), function)
+
+
+def _count_engine_loads() -> None:
+    """Append this process's id to $ARDIT_TEST_LOAD_LOG at each Engine.load (patched once per process)."""
+    from components.engine import Engine
+
+    if getattr(Engine.load, "counted", False):
+        return
+    plain = Engine.load.__func__
+
+    def load(cls, *args, **kwargs):
+        with open(os.environ["ARDIT_TEST_LOAD_LOG"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return plain(cls, *args, **kwargs)
+
+    load.counted = True
+    Engine.load = classmethod(load)
+
+
+def ar_counting_loads(**kwargs):
+    _count_engine_loads()
+    return _step("ar")(**kwargs)
+
+
+def dit_counting_loads(**kwargs):
+    _count_engine_loads()
+    return _step("dit")(**kwargs)
+
+
+def dit_killed_once(**kwargs):
+    """The DiT step; the first process to run it (across replicas: an O_EXCL flag file named by
+    $ARDIT_TEST_KILL_FLAG) is killed (SIGKILL) once its first row is denoised."""
+    try:
+        os.close(os.open(os.environ["ARDIT_TEST_KILL_FLAG"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        first = True
+    except FileExistsError:
+        first = False
+    if first:
+        _kill_after_first_row()
+    return _step("dit")(**kwargs)
+
+
+def dit_always_killed(**kwargs):
+    """The DiT step, with its process killed once its first row is denoised (every replica dies)."""
+    _kill_after_first_row()
+    return _step("dit")(**kwargs)
+
+
+def _kill_after_first_row() -> None:
+    from components.engine.dit import DiTGenerator
+
+    plain = DiTGenerator.__call__
+
+    def once_then_die(self, req):
+        out = plain(self, req)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    DiTGenerator.__call__ = once_then_die
+
+
+def report_progress(device: str, parallel, progress) -> dict:
+    """A step that reports progress (as the AR / DiT steps do) and says where it ran."""
+    task = progress.add_task("step shard 0", 3)
+    progress.advance(task, 1)
+    progress.advance(task, 2)
+    progress.finish(task)
+    progress.skip("step shard 1", "committed")
+    return {"pid": os.getpid(), "parallel": parallel is not None, "device": device}

@@ -119,7 +119,7 @@ def test_kfp_executors(kfp_dir):
         platform = k8s[name]
         assert platform["securityContext"] == {"runAsUser": "10001", "runAsGroup": "10001", "runAsNonRoot": True}
         assert int(platform["activeDeadlineSeconds"]) > 0
-        if step == "shard-indices":
+        if step in ("shard-indices", "gpus-per-model"):
             assert c["image"] == IMAGES["ardit-tools"] and "secretAsEnv" not in platform  # pure helper
             continue
         assert c["command"][:3] == ["python", "-m", "pipeline.launch"]
@@ -137,13 +137,17 @@ def test_kfp_executors(kfp_dir):
             assert c["image"] == IMAGES["ardit-gpu"]
             acc = c["resources"]["accelerator"]
             assert acc["resourceType"] == "nvidia.com/gpu"
-            assert acc["resourceCount"] == "{{$.inputs.parameters['pipelinechannel--tensor_parallel_size']}}"
+            # tp x pp GPUs: the output of the gpus-per-model helper (of this DAG branch)
+            assert re.fullmatch(r"\{\{\$\.inputs\.parameters\['pipelinechannel--gpus-per-model(-\d+)?-gpus'\]\}\}",
+                                acc["resourceCount"])
             assert platform["emptyDirMounts"] == [{"medium": "Memory", "mountPath": "/dev/shm", "sizeLimit": "16Gi",
                                                    "volumeName": "shm"}]
             assert platform["nodeSelector"]["labels"] == {"ardit.io/pool": step}
             assert opts["--weights-pvc"] == "{{$.inputs.parameters['weights_pvc']}}"
             args = c["args"]
             assert args[args.index("--tensor-parallel-size") + 1] == "{{$.inputs.parameters['tensor_parallel_size']}}"
+            assert args[args.index("--pipeline-parallel-size") + 1] == \
+                "{{$.inputs.parameters['pipeline_parallel_size']}}"
             assert args[args.index("--quantization") + 1] == "{{$.inputs.parameters['quantization']}}"
         else:
             assert c["image"] == IMAGES["ardit-tools"]
@@ -242,6 +246,20 @@ def test_kfp_scheduled_pipeline_takes_its_run_id_from_the_schedule(kfp_dir, tmp_
     assert done.returncode == 2 and "not a scheduled run" in done.stderr
 
 
+def test_gpus_per_model_helper_multiplies_tp_and_pp(kfp_dir, tmp_path):
+    """The helper whose output sizes every AR / DiT pod really prints tp x pp, and feeds both steps."""
+    spec, _ = _kfp_docs(kfp_dir / "batch_edit.yaml")
+    c = spec["deploymentSpec"]["executors"]["exec-gpus-per-model"]["container"]
+    out = tmp_path / "gpus"
+    subprocess.run([sys.executable, *c["command"][1:], "2", "4", str(out)], check=True)
+    assert out.read_text() == "8"
+    for branch, tasks in _branches(spec).items():
+        loop = next(t for n, t in tasks.items() if n.startswith("for-loop"))
+        producer = loop["inputs"]["parameters"]
+        (channel,) = [k for k in producer if "gpus-per-model" in k]
+        assert producer[channel]["taskOutputParameter"]["outputParameterKey"] == "gpus"
+
+
 def test_shard_indices_helper_lists_every_shard(kfp_dir, tmp_path):
     """The inline helper that feeds ParallelFor really prints 0..N-1."""
     spec, _ = _kfp_docs(kfp_dir / "batch_edit.yaml")
@@ -306,11 +324,12 @@ def _check_step_template(tpl: dict, step: str, with_weights: bool, s: ClusterSet
         assert mounts["weights"] == {"name": "weights", "mountPath": "/weights", "readOnly": True}
     if step in GPU_STEPS:
         assert volumes["shm"]["emptyDir"]["medium"] == "Memory" and mounts["shm"]["mountPath"] == "/dev/shm"
-        patch = json.loads(tpl["podSpecPatch"])  # GPU count = tensor_parallel_size, per run
+        patch = json.loads(tpl["podSpecPatch"])  # GPU count per run: tp x pp for a model step
         gpus = patch["containers"][0]["resources"]
         assert patch["containers"][0]["name"] == "main"
-        assert gpus["limits"]["nvidia.com/gpu"] == gpus["requests"]["nvidia.com/gpu"] == \
-            "{{inputs.parameters.tensor_parallel_size}}"
+        want = ("{{inputs.parameters.tensor_parallel_size}}" if step == "sweep" else
+                "{{=asInt(inputs.parameters.tensor_parallel_size) * asInt(inputs.parameters.pipeline_parallel_size)}}")
+        assert gpus["limits"]["nvidia.com/gpu"] == gpus["requests"]["nvidia.com/gpu"] == want
         assert tpl["tolerations"][0]["key"] == "nvidia.com/gpu"
     else:
         assert "shm" not in volumes and "podSpecPatch" not in tpl
@@ -673,7 +692,8 @@ def test_gpu_steps_accept_the_compiled_command_line(argo_docs, step, monkeypatch
 
     tpl = _templates(argo_docs["ardit-batch-edit.yaml"]["spec"])[step]
     values = {"output": "/tmp/o", "run_id": "r", "shard": "0", "model": "tiny", "weights_pvc": "",
-              "tensor_parallel_size": "2", "quantization": "fp8", "kv_store": "local:///tmp/kv", "bot_task": "",
+              "tensor_parallel_size": "2", "pipeline_parallel_size": "2", "quantization": "fp8",
+              "kv_store": "local:///tmp/kv", "bot_task": "",
               "steps": "", "guidance": "7.5", "batch_invariant": "true", "step_cache": "0.1"}
     args = [re.sub(r"\{\{inputs\.parameters\.(\w+)\}\}", lambda m: values[m.group(1)], a)
             for a in tpl["container"]["args"]]
@@ -683,6 +703,7 @@ def test_gpu_steps_accept_the_compiled_command_line(argo_docs, step, monkeypatch
     monkeypatch.setattr(main_module, "run_step", lambda target, kwargs, *a, **kw: seen.update(kwargs) or {})
     assert main_module.main(step_argv(args, env={})) == 0
     assert seen.get("tensor_parallel_size") == 2 and seen.get("quantization") == "fp8"
+    assert seen.get("pipeline_parallel_size") == 2
     if step == "ar":
         assert seen.get("batch_invariant") is True
     else:

@@ -51,3 +51,33 @@ def test_a_failure_ends_the_pool():
         with pytest.raises(RankFailed, match="stopped by an earlier failure"):
             pool.run("tests.parallel_targets:count_calls", {})
     assert all(not p.is_alive() for p in pool.procs)
+
+
+def test_a_one_rank_pool_runs_in_its_own_process_and_its_progress_reaches_the_parent():
+    """A data-parallel replica at TP 1: one rank process without a process group (parallel=None);
+    the step's progress calls arrive at the parent's progress object, in order."""
+    import os
+
+    from components.ranks import RankPool
+
+    calls = []
+
+    class Recording:
+        def add_task(self, label, total):
+            calls.append(("add_task", label, total))
+            return f"task-{len(calls)}"
+
+        def advance(self, task, n=1):
+            calls.append(("advance", task, n))
+
+        def finish(self, task):
+            calls.append(("finish", task))
+
+        def skip(self, label, why):
+            calls.append(("skip", label, why))
+
+    with RankPool(1, "cpu", device_ids=[0]) as pool:
+        got = pool.run("tests.parallel_targets:report_progress", {}, progress=Recording())
+    assert got["pid"] != os.getpid() and got["parallel"] is False and got["device"] == "cpu"
+    assert calls == [("add_task", "step shard 0", 3), ("advance", "task-1", 1), ("advance", "task-1", 2),
+                     ("finish", "task-1"), ("skip", "step shard 1", "committed")]

@@ -1,0 +1,128 @@
+"""The fit check before loading (components/fit.py) and the GPU arithmetic of a local job's layout.
+
+Numbers it must reproduce (full-size model, docs/benchmarks.md, 2026-11-24, one H200): FP8 weights
+88.8 GB; peak 103.5 GB (DiT, one 1024^2 IT2I row, 320 CoT tokens) and 107.7 GB (AR batch 8); bf16
+about 160 GB. FP8 on one 80 GB H100 must not fit and must name --tp 2 / --pp 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from components.errors import ConfigError
+from components.fit import CUDA_CONTEXT_BYTES, check_fit, estimate, replicated_parameter_bytes
+from components.preflight import parallel_layout
+from components.steps import describe_model
+
+MODEL = "hunyuan-image-3"
+GB = 1e9
+H100_FREE = 79e9  # an idle 80 GB H100 (mem_get_info)
+H200_FREE = 140e9
+
+
+@pytest.fixture(scope="module")
+def full():
+    return describe_model(MODEL)[1], replicated_parameter_bytes(MODEL)
+
+
+def test_fp8_weights_and_peaks_match_the_h200_measurement(full):
+    config, replicated = full
+    one_row = estimate(config, replicated, quantization="fp8", batch_size=1, max_new_tokens=160)
+    assert one_row.weights / GB == pytest.approx(88.8, abs=0.5)
+    assert (one_row.total - CUDA_CONTEXT_BYTES) / GB == pytest.approx(103.5, rel=0.05)
+    batch8 = estimate(config, replicated, quantization="fp8", batch_size=8, max_new_tokens=160)
+    assert (batch8.total - CUDA_CONTEXT_BYTES) / GB == pytest.approx(107.7, rel=0.05)
+
+
+def test_bf16_is_about_160_gb_and_halves_per_gpu_at_tp2_or_pp2(full):
+    config, replicated = full
+    bf16 = estimate(config, replicated).weights
+    assert 155 * GB < bf16 < 175 * GB
+    for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+        half = estimate(config, replicated, **layout).weights
+        assert half < 0.55 * bf16  # replicated parts (VAE, ViT, embeddings) stay whole
+
+
+def test_fp8_fits_one_h200_but_bf16_does_not():
+    assert check_fit(MODEL, [H200_FREE], quantization="fp8").total < H200_FREE
+    with pytest.raises(ConfigError) as e:
+        check_fit(MODEL, [H200_FREE])
+    assert "--quantization fp8 (1 GPU)" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fp8_on_one_h100_does_not_fit_and_names_tp2_and_pp2():
+    with pytest.raises(ConfigError) as e:
+        check_fit(MODEL, [H100_FREE], quantization="fp8", gpus_visible=1)
+    message = str(e.value)
+    assert "does not fit" in message and "79 GB free" in message
+    assert "--tp 2 or --pp 2 (2 GPUs)" in message and "this machine has 1 GPU(s)" in message
+    assert check_fit(MODEL, [H100_FREE] * 2, quantization="fp8", tensor_parallel_size=2).total < H100_FREE
+    assert check_fit(MODEL, [H100_FREE] * 2, quantization="fp8", pipeline_parallel_size=2).total < H100_FREE
+
+
+def test_bf16_on_h100s_names_fp8_at_two_gpus_and_bf16_at_four():
+    with pytest.raises(ConfigError) as e:
+        check_fit(MODEL, [H100_FREE])
+    message = str(e.value)
+    assert "--tp 2 --quantization fp8 or --pp 2 --quantization fp8 (2 GPUs)" in message
+    assert "--tp 4 or --tp 2 --pp 2 or --pp 4 (4 GPUs)" in message
+
+
+def test_the_tiny_model_fits_anywhere():
+    assert check_fit("tiny", [2e9]).total < 2e9
+
+
+@pytest.mark.parametrize("gpus,tp,pp,dp,want", [
+    (8, 1, 1, None, 8), (8, 2, 1, None, 4), (8, 2, 2, None, 2), (8, 1, 2, 3, 3), (2, 2, 1, None, 1),
+    (3, 2, 1, None, 1),  # a third GPU that no model copy can use stays idle
+])
+def test_data_parallel_size_defaults_to_what_the_gpus_hold(gpus, tp, pp, dp, want):
+    assert parallel_layout("cuda", tp, pp, dp, gpus) == want
+
+
+@pytest.mark.parametrize("device,gpus,tp,pp,dp,needle", [
+    ("cuda", 8, 2, 1, 5, "--data-parallel-size 5 x --tp 2 needs 10 GPUs, this machine has 8 (at most --dp 4)"),
+    ("cuda", 2, 2, 2, None, "--tp 2 x --pp 2 needs 4 GPUs per model copy, this machine has 2"),
+    ("cuda:1", 8, 1, 1, 2, "--device cuda:1 is one GPU"),
+    ("cpu", None, 1, 0, None, "--pipeline-parallel-size 0: must be a whole number >= 1"),
+    ("cpu", None, 1, 1, 0, "--data-parallel-size 0: must be a whole number >= 1"),
+])
+def test_layouts_the_machine_cannot_hold_are_one_line(device, gpus, tp, pp, dp, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        parallel_layout(device, tp, pp, dp, gpus)
+
+
+def test_cpu_takes_replicas_only_when_asked():
+    assert parallel_layout("cpu", 1, 1, None, None) == 1
+    assert parallel_layout("cpu", 1, 1, 3, None) == 3
+
+
+def test_cli_a_layout_that_does_not_fit_is_one_line_exit_2_before_any_work(tmp_path, monkeypatch, capfd):
+    from components.data.sample import write_sample_edit_dataset
+    from pipeline import cli
+
+    data = write_sample_edit_dataset(tmp_path / "edit.parquet", n=1)
+    out = tmp_path / "out"
+    monkeypatch.setenv("ARDIT_FAKE_GPU_MEMORY", "80e9x1")  # test-only: one idle 80 GB GPU
+    rc = cli.main(["edit", str(data), "-o", str(out), "--run-id", "r", "--model", MODEL, "--quantization", "fp8",
+                   "--device", "cpu"])
+    captured = capfd.readouterr()
+    err = captured.err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, captured.err
+    assert err[0].startswith("ardit: error: --model hunyuan-image-3 does not fit at --tp 1 --pp 1 --quantization fp8")
+    assert "--tp 2 or --pp 2 (2 GPUs)" in err[0]
+    assert captured.out == "" and not (out / "r").exists()  # nothing started, nothing written
+    monkeypatch.setenv("ARDIT_FAKE_GPU_MEMORY", "eighty")
+    assert cli.main(["edit", str(data), "-o", str(out), "--device", "cpu"]) == 2
+    assert "ARDIT_FAKE_GPU_MEMORY='eighty'" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--pp", "--dp"])
+def test_cli_pp_and_dp_must_be_positive(tmp_path, capfd, option):
+    from components.data.sample import write_sample_edit_dataset
+    from pipeline import cli
+
+    data = write_sample_edit_dataset(tmp_path / "edit.parquet", n=1)
+    assert cli.main(["edit", str(data), "-o", str(tmp_path / "out"), "--device", "cpu", option, "0"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "must be a whole number >= 1" in err[0]
