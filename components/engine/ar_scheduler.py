@@ -61,8 +61,8 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def kv_bytes_per_token(model) -> int:
     """K and V of one token over this rank's layers and KV heads."""
-    attn = model.model.layers[0].self_attn
-    return len(model.model.layers) * 2 * attn.num_kv_heads * attn.head_dim * model.dtype.itemsize
+    attn = model.first_attention()  # this rank's heads; under pipeline parallelism, of its stage's layers
+    return len(model.stage_layers) * 2 * attn.num_kv_heads * attn.head_dim * model.dtype.itemsize
 
 
 def activation_reserve(model, chunk_tokens: int, max_rows: int = 64) -> int:
