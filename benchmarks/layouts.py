@@ -116,19 +116,23 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
     cmd = [sys.executable, "-m", "pipeline.cli", "edit", str(dataset), "-o", str(work / "runs"), "--run-id", run_id,
            "--model", model, "--num-shards", str(shards), "--steps", str(args.steps), "--guidance", str(args.guidance),
            "--device", "cuda", "--tp", str(sizes["tp"]), "--pp", str(sizes["pp"]), "--dp", str(sizes["dp"])]
-    if args.layers:
-        cmd.append("--dummy-weights")
+    cmd.append("--dummy-weights")  # presets draw random weights anyway; the forced CoT asks for it by name
     if args.quantization != "none":
         cmd += ["--quantization", args.quantization]
     cmd += args.extra
-    env = {**os.environ, "ARDIT_BENCH_COT_TOKENS": str(args.cot_tokens), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "ARDIT_BENCH_COT_TOKENS": str(args.cot_tokens), "PYTHONUNBUFFERED": "1",
+           "ARDIT_EXPERIMENTAL_PP": "1"}  # pipeline stages on GPUs are opt-in (components/steps.py)
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    with GpuMemory() as memory:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    lines: list[str] = []
+    with GpuMemory() as memory:  # the job's output is shown as it comes (a run cut short still shows how far it got)
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            lines.append(line)
+            print(line, end="", flush=True)
+        proc.wait()
     wall = time.perf_counter() - t0
-    log = (proc.stdout + proc.stderr)[-4000:]
-    print(log[-1500:], flush=True)
+    log = "".join(lines)[-4000:]
     run_dir = work / "runs" / run_id
     rows = rows_of(run_dir)
     ok = [r for r in rows if r.get("status") == "ok"]

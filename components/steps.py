@@ -460,15 +460,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks of configuration errors")
 
 
+def check_pipeline_device(pipeline_parallel_size: int, device: str) -> None:
+    """Pipeline stages on GPUs are experimental: correct over gloo on the CPU, but the one NCCL run
+    made (2 x H100, 2026-11-25) stalled in its first AR shard, cause not found (docs/benchmarks.md).
+    Refused up front unless asked for, rather than risking a job that hangs."""
+    if pipeline_parallel_size > 1 and device.startswith("cuda") and not os.environ.get("ARDIT_EXPERIMENTAL_PP"):
+        raise ConfigError(f"--pipeline-parallel-size {pipeline_parallel_size} on GPUs is experimental (it stalled in "
+                          "its only NCCL run): use --tp instead, or set ARDIT_EXPERIMENTAL_PP=1 to try it")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kv_store = args.kv_store or None
     if kv_store and kv_store.startswith("$("):
         raise ConfigError(f"--kv-store {kv_store!r} is an unexpanded variable: set it in the ardit-endpoints "
                           "ConfigMap")
+    device = resolve_device(args.device)
+    check_pipeline_device(args.pipeline_parallel_size, device)
     return {"model": args.model, "weights": args.weights, "dummy_weights": args.dummy_weights,
             "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
             **({"pipeline_parallel_size": args.pipeline_parallel_size} if args.pipeline_parallel_size != 1 else {}),
-            "kv_store": kv_store, "device": resolve_device(args.device), "dtype": args.dtype, "seed": args.seed}
+            "kv_store": kv_store, "device": device, "dtype": args.dtype, "seed": args.seed}
 
 
 def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_parallel: bool = False,

@@ -104,7 +104,7 @@ class Admission:
         free, total = torch.cuda.mem_get_info(model.device)
         budget = int(total * gpu_memory_utilization) - (total - free) - activation_reserve(model, tokens)
         parallel = getattr(model, "parallel", None)
-        if parallel is not None and parallel.world_size > 1:  # every rank must admit the same rows
+        if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1):  # every rank admits alike
             budget = int(parallel.broadcast_(torch.tensor([budget], device=model.device))[0])
         return cls(cap, max(budget, 0), tokens, gpu_memory_utilization)
 
