@@ -69,16 +69,7 @@ def engine_row(outdir: str, device: str, parallel) -> None:
 def dit_killing_rank1(device: str, parallel, **kwargs) -> dict:
     """The DiT step, with rank 1 killed (SIGKILL) once it finished its first row."""
     if parallel.rank == 1:
-        from components.engine.dit import DiTGenerator
-
-        plain = DiTGenerator.__call__
-
-        def once_then_die(self, req):
-            out = plain(self, req)
-            os.kill(os.getpid(), signal.SIGKILL)
-            return out
-
-        DiTGenerator.__call__ = once_then_die
+        _kill_after_first_row()
     from components.dit.run import run
 
     return run(device=device, parallel=parallel, **kwargs)
