@@ -149,6 +149,8 @@ def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_r
         typer.echo(f"run {run_id}: nothing to do: all {summary.get('num_shards')} shard(s) are committed "
                    f"({summary.get('rows_ok')} image(s){failed}); summary: {output.rstrip('/')}/{run_id}/"
                    "summary.json")
+        if summary.get("rows_failed"):
+            _print_failed_rows(summary)
         raise typer.Exit(1 if summary.get("rows_failed") else 0)
     _print_summary(summary, output, run_id)
     if summary.get("rows_failed"):

@@ -292,8 +292,8 @@ def test_local_store_has_a_ttl_and_the_dit_step_expires_orphans_at_start(tmp_pat
     store.put(f"{run}/0/old", make_kv())
     store.put(f"{run}/0/new", make_kv())
     os.utime(store._path(f"{run}/0/old"), (1, 1))
-    engine = SimpleNamespace(config=SimpleNamespace(num_key_value_heads=2), parallel=None,
-                             model=SimpleNamespace(device="cpu"))
+    engine = SimpleNamespace(config=SimpleNamespace(num_key_value_heads=2, num_hidden_layers=2), parallel=None,
+                             model=SimpleNamespace(device="cpu", stage_layers=range(2)))
     reader = _KVReader(store, engine, kv_reuse=True)
     reader.close()
     assert store.keys(run) == [f"{run}/0/new"]

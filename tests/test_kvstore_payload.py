@@ -246,7 +246,7 @@ def test_open_store_urls(tmp_path):
     for bad, msg in [
         ("", "empty"),
         ("s3://b/k", "unknown scheme"),
-        (f"local://{tmp_path}?x=1", "no parameters"),
+        (f"local://{tmp_path}?x=1", "takes only ttl"),
     ]:
         with pytest.raises(ValueError, match=msg):
             open_store(bad)
