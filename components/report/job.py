@@ -82,7 +82,7 @@ def time_split_uri(split: dict[str, float | None]) -> str | None:
     ax.set_xlabel("seconds (summary.json time_split_s)", fontsize=9, color="#24292f")
     ax.tick_params(labelsize=9)
     fig.tight_layout()
-    return plots._fig_uri(fig)
+    return plots.render(fig).uri  # drawn at 2x its CSS size: sharp text
 
 
 def row_times_uri(rows: list[dict[str, Any]]) -> str | None:
@@ -108,7 +108,7 @@ def row_times_uri(rows: list[dict[str, Any]]) -> str | None:
     ax.set_ylabel("seconds per image", fontsize=9, color="#24292f")
     ax.legend(fontsize=8, frameon=False, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     fig.tight_layout()
-    return plots._fig_uri(fig)
+    return plots.render(fig).uri  # drawn at 2x its CSS size: sharp text
 
 
 def build_job_context(run_dir: Path, report_path: Path, max_rows: int = 60) -> dict[str, Any]:
