@@ -326,7 +326,7 @@ def test_a_size_change_is_observed_in_ungated_configs_but_fails_gated_ones(tmp_p
     assert "1 row(s) changed image size" in div["note"]
     assert div["token_rows"] == 4 and div["tokens_identical_rows"] == 0  # the AR side still compares
     html = ok.report.read_text()
-    assert "size differs: 64×96 vs 96×64" in html and 'class="badge SIZE"' in html
+    assert "other aspect ratio: 64×96 vs 96×64" in html and 'class="badge SIZE"' in html
 
     bad = run_sweep(spec, tmp_path, "gated", runner=_resized_runner("recompute-s8"), log=_quiet, report=False)
     assert [f.split(":")[0] for f in bad.failures] == ["recompute-s8"]
