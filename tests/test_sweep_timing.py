@@ -98,7 +98,9 @@ def test_interleaved_repeats_measure_a_real_difference(tmp_path: Path) -> None:
     assert slow["speedup_vs_ref"] == pytest.approx(ref_t / slow["time_per_image_s_median"])
     assert math.isclose(slow["speedup_vs_ref"], (0.12 + 0.30 + 0.384 + 0.05) / (2 * (0.12 + 0.30 + 0.48 + 0.05)))
     speed = {c["name"]: c["speed"] for c in build_context(result.sweep_dir)["configs"]}
-    assert speed["recompute"] == {"text": f"{slow['speedup_vs_ref']:.2f}×", "cls": "",
+    from components.report.render import speed_words
+
+    assert speed["recompute"] == {"text": speed_words(slow["speedup_vs_ref"]), "cls": "",
                                   "title": "differs by 122%, more than the timing noise ±0.0%"}  # fmt: skip
 
     calls.clear()  # resumed with the same spec: the timing rounds are kept too
