@@ -107,7 +107,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     puts.expire_orphans()
     previous_kernels = kernels.configure(batch_invariant="on" if batch_invariant else "off")
     fallbacks_before = kernels.fallbacks()
-    fallbacks_seen = [fallbacks_before]  # the next ok row carries the fallbacks since the last one
+    row_fallbacks = kernels.FallbacksSince()  # the next ok row carries the fallbacks since the last one
 
     def on_result(request: Any, result: Any) -> None:
         """A row finished (or failed): record it, and put its KV while the other rows decode on."""
@@ -116,8 +116,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             rows.append(_error_row(request.id, f"AR failed: {type(result).__name__}: {result}", kind))
         else:
             row = _ok_row(result)
-            row["kernel_fallbacks"] = kernels.fallbacks() - fallbacks_seen[0]
-            fallbacks_seen[0] += row["kernel_fallbacks"]
+            row["kernel_fallbacks"] = row_fallbacks.take()
             rows.append(row)
             if store is not None and result.prompt_kv is not None:
                 puts.add(row, run_id, shard, result.prompt_kv)
@@ -133,13 +132,14 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             except Exception as e:  # noqa: BLE001 - one bad row must not sink the shard
                 rows.append(_error_row(job.id, f"AR input: {e}", "input"))
                 progress.advance(task, 1)
-        admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens)
         engine.ar.forced_cot = forced_cot
         try:
             if pipeline_parallel_size > 1:  # the scheduler does not drive pipeline stages yet
                 stats = _static_batches(engine, requests, on_result, sampling, export_kv,
-                                        8 if batch_size == "auto" else batch_size)
+                                        STATIC_BATCH if batch_size == "auto" else batch_size)
             else:
+                admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization,
+                                                max_num_batched_tokens)
                 stats = engine.ar.stream(requests, on_result, sampling, export_kv, admission)
         finally:
             engine.ar.forced_cot = None
@@ -162,6 +162,9 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
             "ar_scheduler": {k: stats[k] for k in ("mean_batch", "peak_rows", "pool_rows", "decode_steps",
                                                    "prefill_chunks", "oom_retries")}}
+
+
+STATIC_BATCH = 8  # rows per AR batch under pipeline parallelism with --batch-size auto
 
 
 def _static_batches(engine, requests: list, on_result, sampling, export_kv: bool, batch_size: int) -> dict:

@@ -175,7 +175,7 @@ def _denoise_rows(engine, out_io: _RowWriter, rows: list[_DiTRow], *, gen: dict[
     from components.engine import AROutput, DiTRequest, kernels
     from components.engine.parallel import RankLost
 
-    fallbacks = _FallbackCounter(kernels.fallbacks())
+    fallbacks = kernels.FallbacksSince()  # a pipeline group's count goes to its first row
     requests = {}
     for row in rows:
         try:
@@ -208,22 +208,7 @@ def _denoise_rows(engine, out_io: _RowWriter, rows: list[_DiTRow], *, gen: dict[
         _write_row(out_io, row, requests[row.key].ar, out, fallbacks)
 
 
-class _FallbackCounter:
-    """Fast-path fallbacks since the last row written: each is counted on one row (rows of a
-    pipeline group share their denoising, so the group's count goes to the first of them)."""
-
-    def __init__(self, start: int):
-        self.seen = start
-
-    def take(self) -> int:
-        from components.engine import kernels
-
-        now = kernels.fallbacks()
-        new, self.seen = now - self.seen, now
-        return new
-
-
-def _write_row(out_io: _RowWriter, row: _DiTRow, ar, out, fallbacks: _FallbackCounter) -> None:
+def _write_row(out_io: _RowWriter, row: _DiTRow, ar, out, fallbacks: Any) -> None:
     job, ar_row, key, get_s, wait_s = row.job, row.ar_row, row.key, row.get_s, row.wait_s
     t = out.timings
     metrics = dict(

@@ -106,6 +106,18 @@ def fallbacks() -> int:
     return _fallbacks
 
 
+class FallbacksSince:
+    """Fallbacks since the last `take()`: a step hands each new one to exactly one row."""
+
+    def __init__(self) -> None:
+        self.seen = fallbacks()
+
+    def take(self) -> int:
+        now = fallbacks()
+        new, self.seen = now - self.seen, now
+        return new
+
+
 def first_error() -> str | None:
     """The error of the first fallback in this process (None: none yet)."""
     return _first_error
