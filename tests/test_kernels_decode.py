@@ -168,6 +168,23 @@ def test_grouped_attention_equals_gqa():
 
 
 # --------------------------------------------------------------------------- the AR end to end
+def test_plain_decode_choosing_on_the_device_generates_the_host_tokens(engine, monkeypatch):
+    """The plain decode (pipeline stages, tensor-parallel ranks) picks tokens on the device on GPUs
+    (per-row host sampling cost more than the model's step there); on the CPU with the rows' own
+    generators that is the same choice as the host sampler's."""
+    previous = kernels.configure(decode_graphs="off")
+    try:
+        host = engine.generate_ar(_requests(), SAMPLED)
+        engine.ar.device_sampling = True
+        monkeypatch.setattr(ARGenerator, "_sample", lambda *a: pytest.fail("sampled on the host"))
+        device = engine.generate_ar(_requests(), SAMPLED)
+    finally:
+        engine.ar.device_sampling = None
+        kernels.configure(previous)
+    assert len({len(o.generated_ids) for o in host}) >= 2
+    assert [o.generated_ids for o in device] == [o.generated_ids for o in host]
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_static_decode_generates_the_plain_tokens(engine, sampling, static_decode):
     """Batched (5 rows -> bucket 8, left padding, rows finishing at different steps). Greedy: same

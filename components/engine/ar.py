@@ -244,6 +244,7 @@ class ARGenerator:
         self.system_prompts = system_prompts or TINY_SYSTEM_PROMPTS
         self.forced_cot: ForcedCot | None = None  # benchmarks: ARDIT_BENCH_COT_TOKENS (the AR step sets it)
         self._banned: list[int] | None = None
+        self.device_sampling: bool | None = None  # the plain decode's choice of tokens; None: on GPUs only
 
     def banned_ids(self) -> list[int]:
         """Ids never sampled: the special tokens while a forced CoT length runs (ForcedCot)."""
@@ -383,9 +384,17 @@ class ARGenerator:
     def _decode(self, rows: list[_Row], cache, logits: torch.Tensor, valid: torch.Tensor,
                 sampling: SamplingParams) -> int:
         model, tok = self.model, self.tok
+        # On a GPU the rows' tokens are chosen on the device, one host copy per step: per-row host
+        # sampling over the 133k vocabulary (`_sample`) costs more than a decode step of the model
+        # there (pipeline stages and tensor-parallel ranks decode here). The CPU keeps `_sample`.
+        on_device = model.device.type == "cuda" if self.device_sampling is None else self.device_sampling
+        sampler = self._device_sampler(rows, sampling) if on_device else None
         steps = 0
         while True:
-            next_ids = [self._next_token(row, logits[b], sampling) for b, row in enumerate(rows)]
+            if sampler is not None:
+                next_ids = self._choose_on_device(rows, logits, sampling, sampler)
+            else:
+                next_ids = [self._next_token(row, logits[b], sampling) for b, row in enumerate(rows)]
             if all(t is None for t in next_ids):
                 return steps
             slot = cache.length
@@ -442,21 +451,32 @@ class ARGenerator:
         every row's token on the device: one host copy per step (kernels/decode.py)."""
         model = self.model
         decoder = StaticDecoder(model, cache, valid, [r.offset for r in rows], self.tok.pad, graphs)
-        generators = [r.generator if model.device.type == "cpu"
-                      else torch.Generator(model.device).manual_seed(request_seed(r.request.seed, r.request.id))
-                      for r in rows]
-        sampler = DeviceSampler(sampling, self.tok.ratio_choice_ids, generators, self.banned_ids())
+        sampler = self._device_sampler(rows, sampling)
         steps = 0
         while True:
-            how = [None if r.done else self._how(r, sampling) for r in rows]
-            picked = [None] * len(rows)
-            if any(h in ("ratio", "sample") for h in how):
-                picked = sampler(logits, [h == "sample" for h in how])
-            next_ids = [self._next_token(row, None, sampling, picked[b], how[b]) for b, row in enumerate(rows)]
+            next_ids = self._choose_on_device(rows, logits, sampling, sampler)
             if all(t is None for t in next_ids):
                 return steps
             logits = decoder.step(next_ids)
             steps += 1
+
+    def _device_sampler(self, rows: list[_Row], sampling: SamplingParams) -> DeviceSampler:
+        """The rows' sampler on the model's device: each row's own generator (on a GPU a device
+        generator seeded with the row's seed, so every rank and stage draws alike)."""
+        device = self.model.device
+        generators = [r.generator if device.type == "cpu"
+                      else torch.Generator(device).manual_seed(request_seed(r.request.seed, r.request.id))
+                      for r in rows]
+        return DeviceSampler(sampling, self.tok.ratio_choice_ids, generators, self.banned_ids())
+
+    def _choose_on_device(self, rows: list[_Row], logits: torch.Tensor, sampling: SamplingParams,
+                          sampler: DeviceSampler) -> list[int | None]:
+        """Every row's next token (None: finished), the sampled and ratio choices made by `sampler`."""
+        how = [None if r.done else self._how(r, sampling) for r in rows]
+        picked = [None] * len(rows)
+        if any(h in ("ratio", "sample") for h in how):
+            picked = sampler(logits, [h == "sample" for h in how])
+        return [self._next_token(row, None, sampling, picked[b], how[b]) for b, row in enumerate(rows)]
 
     @staticmethod
     def _limit(row: _Row, sampling: SamplingParams) -> int:
