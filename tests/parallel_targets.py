@@ -288,3 +288,22 @@ def report_progress(device: str, parallel, progress) -> dict:
     progress.finish(task)
     progress.skip("step shard 1", "committed")
     return {"pid": os.getpid(), "parallel": parallel is not None, "device": device}
+
+
+
+def stage_handoffs(outdir: str, device: str, parallel) -> None:
+    """Stage 0 sends a bfloat16 [2, 3, 5] tensor; the last stage broadcasts a float32 [4] one while
+    the other stages pass a placeholder of another dtype and shape: each stage pickles what it got."""
+    import pickle
+
+    import torch
+
+    got = {}
+    if parallel.pp_rank == 0:
+        parallel.send_stage(torch.arange(30, dtype=torch.bfloat16).view(2, 3, 5), 1)
+    else:
+        got["received"] = parallel.recv_any_stage(0)
+    mine = torch.tensor([1.5, 2.5, 3.5, 4.5]) if parallel.is_last_stage else torch.zeros(7, dtype=torch.bfloat16)
+    got["broadcast"] = parallel.broadcast_from_last_stage(mine)
+    with open(os.path.join(outdir, f"stage{parallel.pp_rank}.pkl"), "wb") as f:
+        pickle.dump(got, f)

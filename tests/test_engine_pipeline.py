@@ -54,6 +54,18 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def test_stage_handoffs_carry_their_dtype_and_shape(tmp_path):
+    """A stage allocates what actually comes (a stage's output may be wider than its own input;
+    NCCL send/recv of unequal byte counts would hang instead of failing)."""
+    run_on_ranks("tests.parallel_targets:stage_handoffs", {"outdir": str(tmp_path)}, world_size=1, device="cpu",
+                 pipeline_parallel_size=2)
+    first, last = (pickle.load(open(tmp_path / f"stage{s}.pkl", "rb")) for s in range(2))
+    received = last["received"]
+    assert received.dtype == torch.bfloat16 and torch.equal(received, torch.arange(30, dtype=torch.bfloat16).view(2, 3, 5))
+    for got in (first, last):
+        assert got["broadcast"].dtype == torch.float32 and got["broadcast"].tolist() == [1.5, 2.5, 3.5, 4.5]
+
+
 def test_stage_layers_are_contiguous_and_cover_the_model():
     assert [stage_layers(32, 2, s) for s in range(2)] == [range(0, 16), range(16, 32)]
     assert [stage_layers(5, 3, s) for s in range(3)] == [range(0, 2), range(2, 4), range(4, 5)]

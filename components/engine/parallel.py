@@ -93,15 +93,33 @@ class ParallelContext:
         return stage * self.world_size + self.rank
 
     @_collective
-    def send_stage(self, tensor: torch.Tensor, stage: int, back: bool = False) -> None:
-        """Send to this tp rank of `stage` (`back`: on the return communicator)."""
+    def send_stage(self, tensor: torch.Tensor, stage: int) -> None:
+        """Send `tensor` to this tp rank of `stage`, any dtype and shape: a small header (dtype,
+        shape) goes first, so the receiver allocates exactly what comes (`recv_any_stage`). A
+        buffer guessed on the receiving side could differ in dtype (a stage's output may be wider
+        than its input), and NCCL send/recv of different byte counts hangs rather than failing."""
         import torch.distributed as dist
 
-        dist.send(tensor.contiguous(), self.stage_rank(stage), group=self.pp_return_group if back else self.pp_group)
+        tensor = tensor.contiguous()
+        dist.send(_wire_header(tensor), self.stage_rank(stage), group=self.pp_group)
+        dist.send(tensor, self.stage_rank(stage), group=self.pp_group)
+
+    @_collective
+    def recv_any_stage(self, stage: int) -> torch.Tensor:
+        """What `send_stage` on `stage` sent."""
+        import torch.distributed as dist
+
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.recv(header, self.stage_rank(stage), group=self.pp_group)
+        tensor = _empty_from_header(header, self.device)
+        dist.recv(tensor, self.stage_rank(stage), group=self.pp_group)
+        return tensor
 
     @_collective
     def isend_stage(self, tensor: torch.Tensor, stage: int, back: bool = False):
-        """`send_stage` without waiting: returns the torch.distributed Work (keep `tensor` until it is done)."""
+        """Send without a header and without waiting, where both sides agree on dtype and shape (the
+        DiT wavefront casts explicitly); the receiver calls `recv_stage` with such a buffer. Returns the
+        torch.distributed Work (keep `tensor` until it is done)."""
         import torch.distributed as dist
 
         return dist.isend(tensor, self.stage_rank(stage), group=self.pp_return_group if back else self.pp_group)
@@ -119,11 +137,20 @@ class ParallelContext:
         return tensor
 
     @_collective
-    def broadcast_from_last_stage_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The last stage's `tensor` on every stage (so every stage returns the same hidden states)."""
+    def broadcast_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's `tensor` on every stage (so every stage returns the same hidden states);
+        the other stages' `tensor` only says which device. Header first, as in `send_stage`."""
         import torch.distributed as dist
 
-        dist.broadcast(tensor, self.stage_rank(self.pp_size - 1), group=self.pp_group)
+        src, group = self.stage_rank(self.pp_size - 1), self.pp_group
+        if self.is_last_stage:
+            tensor = tensor.contiguous()
+            dist.broadcast(_wire_header(tensor), src, group=group)
+        else:
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            dist.broadcast(header, src, group=group)
+            tensor = _empty_from_header(header, self.device)
+        dist.broadcast(tensor, src, group=group)
         return tensor
 
     @_collective
@@ -179,6 +206,25 @@ class ParallelContext:
 
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._decision_group())
         return bool(t.item())
+
+
+# What goes ahead of a tensor between pipeline stages: [dtype code, ndim, size_0 .. size_5].
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+                torch.uint8, torch.bool)
+_HEADER_LEN = 8
+
+
+def _wire_header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype not in _WIRE_DTYPES or tensor.dim() > _HEADER_LEN - 2:
+        raise ValueError(f"cannot hand a {tensor.dtype} tensor of {tensor.dim()} dims between pipeline stages")
+    sizes = list(tensor.shape) + [0] * (_HEADER_LEN - 2 - tensor.dim())
+    return torch.tensor([_WIRE_DTYPES.index(tensor.dtype), tensor.dim(), *sizes], dtype=torch.int64,
+                        device=tensor.device)
+
+
+def _empty_from_header(header: torch.Tensor, device: torch.device) -> torch.Tensor:
+    code, ndim, *sizes = header.tolist()
+    return torch.empty(sizes[:ndim], dtype=_WIRE_DTYPES[code], device=device)
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:

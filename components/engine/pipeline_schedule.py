@@ -60,7 +60,7 @@ def denoise_rows(dit: DiTGenerator, requests: list[DiTRequest]) -> list[DiTOutpu
                     sends = [w for w in sends if w is not None and not w.is_completed()]  # free what arrived
         pp.wait_all(sends)
         for row in rows:  # the final latents on every stage (each decodes; rank 0 writes)
-            row.latents = pp.broadcast_from_last_stage_(row.latents.float().contiguous())
+            row.latents = pp.broadcast_from_last_stage(row.latents.float())
         per_item = (time.perf_counter() - t0) / max(1, sum(row.steps for row in rows))
         for row in rows:  # the group's denoising time shared out over its items
             row.timings["dit_step_s"] = [per_item] * row.steps
