@@ -107,6 +107,31 @@ def mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 3) if values else None
 
 
+def watch_for_stall(proc: subprocess.Popen, last_line: list[float], stall_s: float) -> None:
+    """If the job prints nothing for stall_s: every process of it prints its stacks (SIGUSR1,
+    `ranks.dump_stacks_on_signal`), and after a few seconds the job is stopped."""
+    import signal
+
+    while proc.poll() is None:
+        if time.monotonic() - last_line[0] > stall_s:
+            print(f"\n[layouts] no output for {stall_s:.0f} s: dumping every process's stack, then stopping the job",
+                  flush=True)
+            for command in (["ps", "-g", str(proc.pid), "-o", "pid,stat,wchan:28,pcpu,etime,args"],
+                            ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv"]):
+                try:
+                    print(subprocess.run(command, capture_output=True, text=True, timeout=20).stdout[:4000], flush=True)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            os.killpg(proc.pid, signal.SIGUSR1)
+            time.sleep(5)
+            os.killpg(proc.pid, signal.SIGTERM)
+            time.sleep(10)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
+        time.sleep(1)
+
+
 def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, work: Path) -> dict:
     sizes = parse_layout(name)
     gpus = sizes["tp"] * sizes["pp"] * sizes["dp"]
@@ -126,8 +151,13 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
     t0 = time.perf_counter()
     lines: list[str] = []
     with GpuMemory() as memory:  # the job's output is shown as it comes (a run cut short still shows how far it got)
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # its own process group: the ranks get the stall signals
+        last_line = [time.monotonic()]
+        if args.stall_s:
+            threading.Thread(target=watch_for_stall, args=(proc, last_line, args.stall_s), daemon=True).start()
         for line in proc.stdout:
+            last_line[0] = time.monotonic()
             lines.append(line)
             print(line, end="", flush=True)
         proc.wait()
@@ -172,6 +202,9 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=1024)
     p.add_argument("--quantization", default="fp8", help="fp8 | none")
     p.add_argument("--layers", type=int, default=0, help="reduced depth (0: the full 32-layer preset)")
+    p.add_argument("--model", default=None, help="a preset or checkpoint instead (e.g. tiny); --layers is ignored")
+    p.add_argument("--stall-s", type=float, default=0,
+                   help="when the job prints nothing for this long: dump every rank's stack (SIGUSR1), then stop it")
     p.add_argument("--work", default="/tmp/ardit-layouts")
     p.add_argument("--out", default=None)
     p.add_argument("extra", nargs="*", help="more `ardit edit` options (after --)")
@@ -184,8 +217,8 @@ def main() -> None:
     dataset = work / f"edit-{args.rows}-{args.image_size}.parquet"
     if not dataset.exists():
         write_sample_edit_dataset(str(dataset), n=args.rows, size=args.image_size)
-    model = (str(write_reduced_checkpoint(work / f"stack-{args.layers}", args.layers)) if args.layers
-             else "hunyuan-image-3")
+    model = args.model or (str(write_reduced_checkpoint(work / f"stack-{args.layers}", args.layers)) if args.layers
+                           else "hunyuan-image-3")
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"

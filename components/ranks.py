@@ -88,7 +88,7 @@ class RankPool:
     device_ids: the GPUs of this pool (rank r on cuda:device_ids[r]; default 0..ranks-1), so
     data-parallel replicas each get their own. A pool of one rank (a replica at TP 1 x PP 1) runs
     the step in its own process without a process group (parallel=None, as in one process).
-    cpu_threads: torch threads per rank on the CPU (default: the cores shared by the ranks)."""
+    cpu_threads: torch threads per rank (default: the host's cores shared by the ranks)."""
 
     def __init__(self, world_size: int, device: str, timeout_s: float = 1800.0, cfg_parallel: bool = False,
                  pipeline_parallel_size: int = 1, *, device_ids: list[int] | None = None,
@@ -188,6 +188,26 @@ class RankPool:
                 p.kill()
 
 
+def rank_timeout_s(default: float) -> float:
+    """How long a collective may wait for the other ranks before the step fails (ARDIT_RANK_TIMEOUT_S;
+    a short one turns a stalled collective into an error that names it, e.g. NCCL's watchdog message)."""
+    return float(os.environ.get("ARDIT_RANK_TIMEOUT_S") or default)
+
+
+def dump_stacks_on_signal() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack to stderr (a stalled job or rank shows
+    where it waits; benchmarks/layouts.py --stall-s sends it to the whole job); ARDIT_STACK_DUMP_S=N
+    prints them every N seconds without a signal (a process busy in native code may not see one)."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    every_s = float(os.environ.get("ARDIT_STACK_DUMP_S") or 0)  # and/or every N seconds, by a watchdog thread
+    if every_s > 0:
+        faulthandler.dump_traceback_later(every_s, repeat=True)
+
+
 def _context(rank: int, world: int, device, cfg_parallel: bool, pipeline_parallel_size: int = 1):
     """This rank's ParallelContext; under CFG parallelism, two tensor-parallel groups (ranks
     [0, N/2) compute the cond row, [N/2, N) the uncond row) and N/2 twin pairs that trade rows.
@@ -277,19 +297,22 @@ def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: flo
     import torch
     import torch.distributed as dist
 
+    dump_stacks_on_signal()
     try:
         on_gpu = device.startswith("cuda")
+        # the ranks share the host's cores, GPU ranks too: torch's default (every core in every
+        # process) let two pipeline stages' host work spin ~11 cores each on a 2 x H200 host
+        torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 1) // world))
         if on_gpu:
             gpu = rank if device_id is None else device_id
             torch.cuda.set_device(gpu)
             dev = torch.device("cuda", gpu)
         else:
-            torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 1) // world))
             dev = torch.device("cpu")
         grouped = world > 1 or cfg_parallel
         if grouped:
             dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+                                    world_size=world, timeout=datetime.timedelta(seconds=rank_timeout_s(timeout_s)))
         ctx = _context(rank, world, dev, cfg_parallel, pipeline_parallel_size) if grouped else None
         while (task := tasks.get()) is not None:
             target, kwargs, reports = task

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from components.errors import one_line
+from components.ranks import dump_stacks_on_signal
 from components.kvstore.cli import app as store_app
 from pipeline.sweep import app as sweep_app
 from pipeline.cli_orchestration import app as orchestration_app
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from components.errors import ConfigError, config_error_exit
 
+    dump_stacks_on_signal()
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("ARDIT_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
