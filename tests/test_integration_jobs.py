@@ -521,7 +521,7 @@ def test_odd_row_ids_ctrl_c_and_resume_through_the_cli(tmp_path):
     out = tmp_path / "out"
     ardit = [sys.executable, "-m", "pipeline.cli"]
     cmd = [*ardit, "generate", str(tmp_path / "odd.parquet"), "-o", str(out), "--num-shards", "2",
-           "--steps", "1", "--max-new-tokens", "2", "--device", "cpu"]
+           "--steps", "8", "--max-new-tokens", "2", "--device", "cpu"]  # 8 steps: time for the Ctrl-C
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         started = proc.stdout.readline()  # "run RUN: generate DATASET -> OUT/RUN"
