@@ -461,12 +461,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_pipeline_device(pipeline_parallel_size: int, device: str) -> None:
-    """Pipeline stages on GPUs are experimental: correct over gloo on the CPU, but the one NCCL run
-    made (2 x H100, 2026-11-25) stalled in its first AR shard, cause not found (docs/benchmarks.md).
-    Refused up front unless asked for, rather than risking a job that hangs."""
+    """Pipeline stages on GPUs are experimental: correct over gloo on the CPU and completing on NCCL
+    (2 x H200, 2026-11-25), but its AR then ran the static-batch path (~10 s a row on the full model),
+    and the continuous-batching AR that replaced it under stages has not run on a GPU yet
+    (docs/benchmarks.md). Refused up front unless asked for, rather than promising what is unmeasured."""
     if pipeline_parallel_size > 1 and device.startswith("cuda") and not os.environ.get("ARDIT_EXPERIMENTAL_PP"):
-        raise ConfigError(f"--pipeline-parallel-size {pipeline_parallel_size} on GPUs is experimental (it stalled in "
-                          "its only NCCL run): use --tp instead, or set ARDIT_EXPERIMENTAL_PP=1 to try it")
+        raise ConfigError(f"--pipeline-parallel-size {pipeline_parallel_size} on GPUs is experimental (not yet "
+                          "measured at speed): use --tp instead, or set ARDIT_EXPERIMENTAL_PP=1 to try it")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -307,3 +307,20 @@ def stage_handoffs(outdir: str, device: str, parallel) -> None:
     got["broadcast"] = parallel.broadcast_from_last_stage(mine)
     with open(os.path.join(outdir, f"stage{parallel.pp_rank}.pkl"), "wb") as f:
         pickle.dump(got, f)
+
+
+def ar_out_of_memory_on_stage0(parallel, **kwargs):
+    """The AR step, where pipeline stage 0 (only) runs out of memory at its third scheduler step."""
+    import torch
+
+    from components.engine import ar_scheduler
+
+    steps = [0]
+
+    def oom(scheduler) -> None:
+        steps[0] += 1
+        if parallel.pp_rank == 0 and steps[0] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected on stage 0)")
+
+    ar_scheduler.fault_hook = oom
+    return _step("ar")(parallel=parallel, **kwargs)

@@ -301,3 +301,18 @@ def test_step_options_are_checked_and_passed(monkeypatch, tmp_path):
            "--gpu-memory-utilization", "0.7", "--max-num-batched-tokens", "4096"])
     assert [(j["batch_size"], j["gpu_memory_utilization"], j["max_num_batched_tokens"]) for j in jobs] == \
         [("auto", 0.9, None), (12, 0.7, 4096)]
+
+
+def test_every_pipeline_stage_sizes_its_pool_for_the_fullest_stage():
+    """3 layers over 2 stages (2 + 1): both stages count 2 layers per token, so they admit alike."""
+    from components.engine.config import tiny_config
+    from components.engine.engine import build_model
+    from components.engine.parallel import ParallelContext, stage_layers
+
+    model = build_model(tiny_config().replace(num_hidden_layers=3, moe_topk=[2] * 3, moe_intermediate_size=[64] * 3,
+                                              num_shared_expert=[1] * 3), "cpu")
+    per_layer = ar_scheduler.kv_bytes_per_token(model) // 3
+    for stage in range(2):
+        model.parallel = ParallelContext(0, 1, torch.device("cpu"), pp_rank=stage, pp_size=2)
+        model.stage_layers = stage_layers(3, 2, stage)
+        assert ar_scheduler.kv_bytes_per_token(model) == 2 * per_layer

@@ -134,13 +134,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                 progress.advance(task, 1)
         engine.ar.forced_cot = forced_cot
         try:
-            if pipeline_parallel_size > 1:  # the scheduler does not drive pipeline stages yet
-                stats = _static_batches(engine, requests, on_result, sampling, export_kv,
-                                        STATIC_BATCH if batch_size == "auto" else batch_size)
-            else:
-                admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization,
-                                                max_num_batched_tokens)
-                stats = engine.ar.stream(requests, on_result, sampling, export_kv, admission)
+            admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens)
+            stats = engine.ar.stream(requests, on_result, sampling, export_kv, admission)
         finally:
             engine.ar.forced_cot = None
         puts.wait()
@@ -162,43 +157,6 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
             "ar_scheduler": {k: stats[k] for k in ("mean_batch", "peak_rows", "pool_rows", "decode_steps",
                                                    "prefill_chunks", "oom_retries")}}
-
-
-STATIC_BATCH = 8  # rows per AR batch under pipeline parallelism with --batch-size auto
-
-
-def _static_batches(engine, requests: list, on_result, sampling, export_kv: bool, batch_size: int) -> dict:
-    """The AR in static batches (every row of a batch decodes until the longest finishes), as under
-    pipeline parallelism, where each forward goes through the stages one after another. A failed
-    batch is retried row by row, so a bad row names itself; a lost rank fails the step."""
-    from components.engine.parallel import RankLost
-
-    decode_steps = 0
-    for start in range(0, len(requests), batch_size):
-        batch = requests[start:start + batch_size]
-        try:
-            outputs = engine.generate_ar(batch, sampling, export_kv)
-        except RankLost:
-            raise
-        except Exception:  # noqa: BLE001 - retried one by one below
-            outputs = []
-            for request in batch:
-                try:
-                    outputs.append(engine.generate_ar([request], sampling, export_kv)[0])
-                except RankLost:
-                    raise
-                except Exception as e:  # noqa: BLE001 - this row's own error
-                    outputs.append(e)
-        for request, out in zip(batch, outputs):
-            if not isinstance(out, BaseException):
-                decode_steps = max(decode_steps, out.timings.get("ar_decode_steps", 0))
-                n = out.timings.get("ar_batch_size", 1)  # batch times are shared: each row carries its share
-                out.timings["ar_prefill_s"] /= n
-                out.timings["ar_decode_s"] /= n
-            on_result(request, out)
-    batches = max(1, -(-len(requests) // batch_size))
-    return {"mean_batch": round(len(requests) / batches, 2), "peak_rows": min(batch_size, len(requests)),
-            "pool_rows": batch_size, "decode_steps": decode_steps, "prefill_chunks": len(requests), "oom_retries": 0}
 
 
 class _BackgroundPuts:

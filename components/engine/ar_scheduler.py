@@ -60,9 +60,14 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def kv_bytes_per_token(model) -> int:
-    """K and V of one token over this rank's layers and KV heads."""
+    """K and V of one token over this rank's KV heads and the layers of the largest pipeline stage
+    (every stage must admit alike, so all size the pool for the fullest one)."""
+    from .parallel import stage_layers
+
     attn = model.first_attention()  # this rank's heads; under pipeline parallelism, of its stage's layers
-    return len(model.stage_layers) * 2 * attn.num_kv_heads * attn.head_dim * model.dtype.itemsize
+    pp = model.pipeline
+    layers = len(model.stage_layers) if pp is None else len(stage_layers(model.config.num_hidden_layers, pp.pp_size, 0))
+    return layers * 2 * attn.num_kv_heads * attn.head_dim * model.dtype.itemsize
 
 
 def activation_reserve(model, chunk_tokens: int, max_rows: int = 64) -> int:
@@ -104,8 +109,8 @@ class Admission:
         free, total = torch.cuda.mem_get_info(model.device)
         budget = int(total * gpu_memory_utilization) - (total - free) - activation_reserve(model, tokens)
         parallel = getattr(model, "parallel", None)
-        if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1):  # every rank admits alike
-            budget = int(parallel.broadcast_(torch.tensor([budget], device=model.device))[0])
+        if parallel is not None:  # every rank admits alike, within the fullest rank's memory
+            budget = parallel.agree_min(budget)
         return cls(cap, max(budget, 0), tokens, gpu_memory_utilization)
 
 
@@ -142,6 +147,7 @@ class _RowWriter:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.start + k.shape[2]
+        layer -= self.cache.first_layer  # a pipeline stage's pool holds its own layers only
         keys = self.cache.k_rows[layer][self.slot:self.slot + 1]
         values = self.cache.v_rows[layer][self.slot:self.slot + 1]
         keys[:, :, self.start:end] = k
@@ -208,11 +214,21 @@ class ARScheduler:
             except Exception as e:  # noqa: BLE001 - decided below: retry smaller, alone, or fail the row
                 from .parallel import RankLost
 
-                if isinstance(e, RankLost):
+                if isinstance(e, RankLost) or self._ranks_apart():
                     raise
                 self._recover(e)
         self._release()
         return self.stats.as_dict()
+
+    def _ranks_apart(self) -> bool:
+        """Whether other ranks compute this model's forwards too (tensor parallel, pipeline stages).
+        A failure inside a forward then cannot be recovered by this rank alone: the others wait in
+        the forward's collectives (a later stage for this stage's hand-off), and a rank that retried
+        on its own would pair its next forward with their old one. So the step fails instead, the
+        pool stops every rank, and a resume runs its rows again. Bad
+        input fails in `_prepare` on every rank alike and stays a row error."""
+        parallel = getattr(self.model, "parallel", None)
+        return parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1)
 
     def step(self) -> None:
         """Admit what fits, prefill one chunk, choose every running row's next token, decode one step."""

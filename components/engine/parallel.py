@@ -181,31 +181,26 @@ class ParallelContext:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    @_collective
-    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """`tensor` from global rank `src` to every rank that must decide alike (the TP group, or
-        every rank of the copy under pipeline parallelism: e.g. the AR's admission budget)."""
-        if self.world_size > 1 or self.pp_size > 1:
-            import torch.distributed as dist
-
-            dist.broadcast(tensor, src=src, group=self._decision_group())
-        return tensor
-
     def _decision_group(self):
         """Where ranks agree on a branch: the TP group, or every rank of the copy under pipeline
         parallelism (the default group: one copy per process group)."""
         return None if self.pp_size > 1 else self.group
 
     @_collective
-    def all_true(self, flag: bool) -> bool:
-        """Whether `flag` holds on every rank (so ranks take the same branch)."""
+    def agree_min(self, value: int) -> int:
+        """The smallest `value` over every rank that must decide alike (e.g. the AR's admission budget:
+        the rank with the least free memory decides)."""
         if self.world_size == 1 and self.pp_size == 1:
-            return flag
-        t = torch.tensor([1 if flag else 0], device=self.device, dtype=torch.int32)
+            return value
+        t = torch.tensor([value], device=self.device, dtype=torch.int64)
         import torch.distributed as dist
 
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._decision_group())
-        return bool(t.item())
+        return int(t.item())
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (so ranks take the same branch)."""
+        return bool(self.agree_min(1 if flag else 0))
 
 
 # What goes ahead of a tensor between pipeline stages: [dtype code, ndim, size_0 .. size_5].

@@ -94,11 +94,14 @@ class _SlotWriter:
     """Stands in for the KVCache in `Attention.forward`: writes the step's K/V at each row's device
     slot and returns the static span of the cache rows."""
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], slots: torch.Tensor, span: int) -> None:
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], slots: torch.Tensor, span: int,
+                 first_layer: int = 0) -> None:
         self.k, self.v, self.span = k, v, span
         self.slots = slots  # [rows] the slot each row writes
+        self.first_layer = first_layer  # a pipeline stage's cache holds its own layers only
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer -= self.first_layer
         at = self.slots.view(-1, 1, 1, 1).expand(k.shape)  # k [rows, kv_heads, 1, head_dim]
         self.k[layer].scatter_(2, at, k)
         self.v[layer].scatter_(2, at, v)
@@ -167,7 +170,7 @@ class StaticDecoder:
         keep = valid[:, :span] | (self.slots[:span] == slot.view(n, 1))  # a query always sees itself
         positions = (slot - self.offsets[lo:lo + n]).to(torch.float64).view(n, 1, 1).expand(n, 1, 2)
         writer = _SlotWriter([k[lo:lo + n] for k in self.cache.k_rows], [v[lo:lo + n] for v in self.cache.v_rows],
-                             slot, span)
+                             slot, span, self.cache.first_layer)
         return model.forward_layers(model.embed_ids(ids.view(n, 1)), positions,
                                     DecodeMask(keep.view(n, 1, 1, span)), writer)
 
