@@ -563,29 +563,11 @@ class HunyuanImage3ForCausalMM(nn.Module):
         the same hidden states (and takes the same decisions from them)."""
         pp = self.pipeline
         if pp.pp_rank > 0:
-            built = x
             x = pp.recv_any_stage(pp.pp_rank - 1)
-            if x.dtype != built.dtype or x.shape != built.shape:
-                _note_handoff(pp.pp_rank, x, built)
         x = self.forward_layers(x, positions, mask, cache, compiled, layers=self.stage_layers)
         if not pp.is_last_stage:
             pp.send_stage(x, pp.pp_rank + 1)
         return pp.broadcast_from_last_stage(x)
-
-
-_handoffs_noted: set = set()
-
-
-def _note_handoff(stage: int, received: torch.Tensor, built: torch.Tensor) -> None:
-    """With ARDIT_DEBUG: say once that a stage's hidden states arrive unlike its own inputs."""
-    import os
-    import sys
-
-    key = (stage, received.dtype, built.dtype)
-    if os.environ.get("ARDIT_DEBUG") and key not in _handoffs_noted:
-        _handoffs_noted.add(key)
-        print(f"pipeline stage {stage}: hidden states arrive as {received.dtype} {tuple(received.shape)}, "
-              f"its own inputs are {built.dtype} {tuple(built.shape)}", file=sys.stderr)
 
 
 def attention_mask(q_slots: torch.Tensor, k_slots: torch.Tensor, q_blocks: torch.Tensor,
