@@ -201,11 +201,16 @@ def dump_stacks_on_signal() -> None:
     import faulthandler
     import signal
 
+    stream = sys.__stderr__  # the process's own stderr: faulthandler writes to its file descriptor
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # none (e.g. pythonw) or not a real file
+        return
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
     every_s = float(os.environ.get("ARDIT_STACK_DUMP_S") or 0)  # and/or every N seconds, by a watchdog thread
     if every_s > 0:
-        faulthandler.dump_traceback_later(every_s, repeat=True)
+        faulthandler.dump_traceback_later(every_s, repeat=True, file=stream)
 
 
 def _context(rank: int, world: int, device, cfg_parallel: bool, pipeline_parallel_size: int = 1):

@@ -521,8 +521,11 @@ def test_odd_row_ids_ctrl_c_and_resume_through_the_cli(tmp_path):
     out = tmp_path / "out"
     ardit = [sys.executable, "-m", "pipeline.cli"]
     cmd = [*ardit, "generate", str(tmp_path / "odd.parquet"), "-o", str(out), "--num-shards", "2",
-           "--steps", "8", "--max-new-tokens", "2", "--device", "cpu"]  # 8 steps: time for the Ctrl-C
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           "--steps", "1", "--max-new-tokens", "2", "--device", "cpu"]
+    # SIGINT as a terminal delivers it, whatever this test inherited: a suite started in the background
+    # ignores SIGINT, the child inherits that, and Python then never raises KeyboardInterrupt
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         started = proc.stdout.readline()  # "run RUN: generate DATASET -> OUT/RUN"
         resume = proc.stdout.readline()  # "resume with: PYTHON -m pipeline.cli ... --run-id RUN" (as started)
