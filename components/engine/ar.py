@@ -460,13 +460,16 @@ class ARGenerator:
             logits = decoder.step(next_ids)
             steps += 1
 
-    def _device_sampler(self, rows: list[_Row], sampling: SamplingParams) -> DeviceSampler:
-        """The rows' sampler on the model's device: each row's own generator (on a GPU a device
-        generator seeded with the row's seed, so every rank and stage draws alike)."""
+    def sampling_generator(self, row: _Row) -> torch.Generator:
+        """The row's sampling stream for `DeviceSampler`: its own generator on the CPU, on a GPU a
+        device generator seeded with the row's seed (so every rank and stage draws alike)."""
         device = self.model.device
-        generators = [r.generator if device.type == "cpu"
-                      else torch.Generator(device).manual_seed(request_seed(r.request.seed, r.request.id))
-                      for r in rows]
+        if device.type == "cpu":
+            return row.generator
+        return torch.Generator(device).manual_seed(request_seed(row.request.seed, row.request.id))
+
+    def _device_sampler(self, rows: list[_Row], sampling: SamplingParams) -> DeviceSampler:
+        generators = [self.sampling_generator(r) for r in rows]
         return DeviceSampler(sampling, self.tok.ratio_choice_ids, generators, self.banned_ids())
 
     def _choose_on_device(self, rows: list[_Row], logits: torch.Tensor, sampling: SamplingParams,

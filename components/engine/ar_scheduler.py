@@ -66,7 +66,8 @@ def kv_bytes_per_token(model) -> int:
 
     attn = model.first_attention()  # this rank's heads; under pipeline parallelism, of its stage's layers
     pp = model.pipeline
-    layers = len(model.stage_layers) if pp is None else len(stage_layers(model.config.num_hidden_layers, pp.pp_size, 0))
+    # stage 0 is the fullest: earlier stages take one more layer when the count does not divide
+    layers = len(model.stage_layers if pp is None else stage_layers(model.config.num_hidden_layers, pp.pp_size, 0))
     return layers * 2 * attn.num_kv_heads * attn.head_dim * model.dtype.itemsize
 
 
@@ -225,8 +226,8 @@ class ARScheduler:
         A failure inside a forward then cannot be recovered by this rank alone: the others wait in
         the forward's collectives (a later stage for this stage's hand-off), and a rank that retried
         on its own would pair its next forward with their old one. So the step fails instead, the
-        pool stops every rank, and a resume runs its rows again. Bad
-        input fails in `_prepare` on every rank alike and stays a row error."""
+        pool stops every rank, and a resume runs its rows again. Bad input fails in `_prepare` on
+        every rank alike and stays a row error."""
         parallel = getattr(self.model, "parallel", None)
         return parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1)
 
@@ -291,13 +292,7 @@ class ARScheduler:
         seq.need = seq.prompt_len + self.budget_tokens
         seq.positions = seq.row.seq.positions()
         seq.blocks = seq.row.seq.block_ids()
-        if self.model.device.type != "cpu":
-            from .ar import request_seed
-
-            seq.generator = torch.Generator(self.model.device).manual_seed(
-                request_seed(seq.request.seed, seq.request.id))
-        else:
-            seq.generator = seq.row.generator
+        seq.generator = self.ar.sampling_generator(seq.row)
         return True
 
     def _allocate(self, capacity: int) -> None:
