@@ -188,10 +188,26 @@ class RankPool:
                 p.kill()
 
 
+def env_seconds(name: str, default: float) -> float:
+    """A duration in seconds from the environment variable `name` (unset or empty: `default`)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        from components.errors import ConfigError
+
+        raise ConfigError(f"{name}={value!r} is not a number of seconds: unset it or give one, e.g. {name}=60")
+    return seconds
+
+
 def rank_timeout_s(default: float) -> float:
     """How long a collective may wait for the other ranks before the step fails (ARDIT_RANK_TIMEOUT_S;
     a short one turns a stalled collective into an error that names it, e.g. NCCL's watchdog message)."""
-    return float(os.environ.get("ARDIT_RANK_TIMEOUT_S") or default)
+    return env_seconds("ARDIT_RANK_TIMEOUT_S", default) or default
 
 
 def dump_stacks_on_signal() -> None:
@@ -208,7 +224,7 @@ def dump_stacks_on_signal() -> None:
         return
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
-    every_s = float(os.environ.get("ARDIT_STACK_DUMP_S") or 0)  # and/or every N seconds, by a watchdog thread
+    every_s = env_seconds("ARDIT_STACK_DUMP_S", 0)  # and/or every N seconds, by a watchdog thread
     if every_s > 0:
         faulthandler.dump_traceback_later(every_s, repeat=True, file=stream)
 

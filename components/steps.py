@@ -539,8 +539,12 @@ def rank_pool(tensor_parallel_size: int, device: str, pipeline_parallel_size: in
 def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
     """Run a step program's body: a ConfigError (or a missing extra) is one line and exit code 2;
     Ctrl-C is exit code 130; anything else propagates (a traceback in the pod log, exit 1, and the
-    orchestrator retries)."""
+    orchestrator retries). Its stacks print on SIGUSR1 / ARDIT_STACK_DUMP_S, as the CLI's do."""
+    from components.ranks import dump_stacks_on_signal, rank_timeout_s
+
     try:
+        dump_stacks_on_signal()
+        rank_timeout_s(0)  # a bad ARDIT_RANK_TIMEOUT_S is one line now, not a rank's error later
         return body()
     except (ConfigError, ImportError) as exc:
         code = None if debug else config_error_exit(prog, exc)

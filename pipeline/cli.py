@@ -21,7 +21,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from components.errors import one_line
-from components.ranks import dump_stacks_on_signal
+from components.ranks import dump_stacks_on_signal, rank_timeout_s
 from components.kvstore.cli import app as store_app
 from pipeline.sweep import app as sweep_app
 from pipeline.cli_orchestration import app as orchestration_app
@@ -262,12 +262,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from components.errors import ConfigError, config_error_exit
 
-    dump_stacks_on_signal()
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("ARDIT_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
     command = get_command(app)
     try:
+        dump_stacks_on_signal()
+        rank_timeout_s(0)  # a bad ARDIT_RANK_TIMEOUT_S is one line now, not a rank's error later
         rv = command.main(args=args, prog_name="ardit", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except click_errors.NoArgsIsHelpError:  # `ardit` alone: the help was printed

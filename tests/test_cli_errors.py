@@ -82,6 +82,15 @@ def test_bad_kernel_settings_in_the_environment(capfd, tmp_path, datasets, monke
     assert "run " not in stdout and not out.exists()
 
 
+@pytest.mark.parametrize("name", ["ARDIT_STACK_DUMP_S", "ARDIT_RANK_TIMEOUT_S"])
+def test_bad_diagnostic_settings_in_the_environment(capfd, tmp_path, datasets, monkeypatch, name):
+    monkeypatch.setenv(name, "soon")
+    out = tmp_path / "out"
+    code, stdout, err = ardit(capfd, "edit", datasets["edit"], "-o", str(out))
+    one_line_error(code, err, f"{name}='soon'", "number of seconds")
+    assert "run " not in stdout and not out.exists()
+
+
 def test_device_cuda_without_a_gpu(capfd, tmp_path, datasets):
     import torch
 
@@ -206,6 +215,7 @@ def test_sample_data_bad_kind(capfd, tmp_path):
     ("components.dit", ["--shard", "0", "--device", "gpu"], ["did you mean cuda"]),
     ("components.shard", ["--dataset", "/no/such.parquet", "--num-shards", "1", "--kind", "edit"],
      ["/no/such.parquet", "does not exist"]),
+    ("components.ar", ["--shard", "0"], ["shard 0 of run 'r' has no input file", "run the shard step first"]),
 ])
 def test_step_programs_one_line_exit_2(tmp_path, module, args, needles):
     proc = subprocess.run([sys.executable, "-m", module, "--output", str(tmp_path), "--run-id", "r", *args],

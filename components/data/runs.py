@@ -249,8 +249,9 @@ class RunLayout:
         try:
             return jobs_from_table(self.read_table(self.input_key(shard)))
         except ObjectNotFoundError:
-            raise FileNotFoundError(f"shard {shard} of run {self.run_id!r} has no input file "
-                                    f"{self.store.url(self.input_key(shard))}") from None
+            raise ConfigError(f"shard {shard} of run {self.run_id!r} has no input file "
+                              f"{self.store.url(self.input_key(shard))}: run the shard step first, or check "
+                              "--output, --run-id and --shard") from None
 
     # --- commit state
     def commit_marker(self, shard: int) -> dict[str, Any] | None:
