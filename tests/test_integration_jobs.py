@@ -238,7 +238,14 @@ def test_dit_killed_after_first_row_resumes_without_redoing_it(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + STEP_TIMEOUT_S
-        while not list((shard_dir / "rows").glob("*.json")):
+
+        def recorded_and_consumed() -> bool:
+            # a row's payload is deleted just after its record is written: kill once both happened
+            # (killing between the two left a consumed payload behind, on a loaded CI machine)
+            recorded = {p.stem for p in (shard_dir / "rows").glob("*.json")}
+            return bool(recorded) and not {f"{run_id}/0/{i}" for i in recorded} & set(kv.keys(run_id))
+
+        while not recorded_and_consumed():
             assert proc.poll() is None, f"DiT exited early ({proc.returncode}):\n{proc.stdout.read().decode()}"
             assert time.monotonic() < deadline, "no row record appeared"
             time.sleep(0.05)
