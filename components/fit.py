@@ -176,8 +176,9 @@ def check_fit(model: str, free_bytes: list[float], *, tensor_parallel_size: int 
     have = f"; this machine has {gpus_visible} GPU(s)" if gpus_visible is not None else ""
     hint = (f"what would fit: {'; or '.join(fits)}{have}" if fits else
             "no layout up to 4x the GPUs fits: use GPUs with more memory")
+    batch = "one row at a time" if batch_size == 1 else f"batch {batch_size}"
     raise ConfigError(
-        f"--model {model} does not fit at {layout} (batch {batch_size}): it needs about {need.total / GB:.0f} GB "
+        f"--model {model} does not fit at {layout} ({batch}): it needs about {need.total / GB:.0f} GB "
         f"per GPU (weights {need.weights / GB:.0f} GB, K/V {need.kv / GB:.0f} GB, activations "
         f"{(need.activations + need.context) / GB:.0f} GB) and the GPU has {free / GB:.0f} GB free; {hint}")
 

@@ -172,7 +172,7 @@ def parallel_layout(device: str, tensor_parallel_size: int, pipeline_parallel_si
 
 def check_memory(*, model: str, device: str, gpus: int | None, data_parallel_size: int, tensor_parallel_size: int,
                  pipeline_parallel_size: int, quantization: str | None, weights: str | None, dtype: str | None,
-                 batch_size: Any, kind: str, generation: dict[str, Any]) -> None:
+                 kind: str, generation: dict[str, Any]) -> None:
     """One model copy fits the free memory of every GPU the job uses (CUDA only; components.fit)."""
     from components.fit import check_fit, free_gpu_memory
     from components.steps import describe_model
@@ -190,8 +190,10 @@ def check_memory(*, model: str, device: str, gpus: int | None, data_parallel_siz
     if not free:
         return
     distilled = describe_model(model)[1].cfg_distilled
+    # one row must fit: --batch-size is a cap, the AR's scheduler admits what the memory left after
+    # the weights holds (ar_scheduler.Admission) and halves on OOM, so a big cap is not an error
     check_fit(model, free, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-              quantization=quantization, dtype=dtype, batch_size=batch_size if isinstance(batch_size, int) else 1,
+              quantization=quantization, dtype=dtype, batch_size=1,
               kind=kind, max_new_tokens=generation["max_new_tokens"],
               cfg_rows=1 if distilled or generation["guidance"] <= 1 else 2, gpus_visible=gpus)
 
@@ -279,7 +281,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
         check_memory(model=model, device=device if gpus is None or device.startswith("cuda") else "cuda", gpus=gpus,
                      data_parallel_size=dp if device.startswith("cuda") else 1,
                      tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                     quantization=quantization, weights=weights, dtype=dtype, batch_size=batch_size, kind=kind,
+                     quantization=quantization, weights=weights, dtype=dtype, kind=kind,
                      generation=gen)
     if kv_url is not None and not finished and kv_url.startswith("mooncake://"):
         check_kv_store(kv_url)  # its servers answer (an embedded store was checked above)

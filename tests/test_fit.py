@@ -117,6 +117,23 @@ def test_cli_a_layout_that_does_not_fit_is_one_line_exit_2_before_any_work(tmp_p
     assert "ARDIT_FAKE_GPU_MEMORY='eighty'" in capfd.readouterr().err
 
 
+def test_a_big_batch_size_cap_is_not_refused_where_one_row_fits(tmp_path, monkeypatch, capfd):
+    """--batch-size is a cap (the AR scheduler admits what fits and halves on OOM): the fit check asks
+    one row only. On one H200 (150 GB free) the FP8 model with --batch-size 40 passes the check (it
+    was refused as "batch 40 needs 177 GB" on 2026-11-26), while one 80 GB GPU is refused at any cap."""
+    from components.preflight import check_memory
+
+    gen = {"max_new_tokens": 2048, "guidance": 5.0}
+    monkeypatch.setenv("ARDIT_FAKE_GPU_MEMORY", "150e9x1")
+    check_memory(model=MODEL, device="cuda", gpus=1, data_parallel_size=1, tensor_parallel_size=1,
+                 pipeline_parallel_size=1, quantization="fp8", weights=None, dtype=None, kind="edit", generation=gen)
+    monkeypatch.setenv("ARDIT_FAKE_GPU_MEMORY", "80e9x1")
+    with pytest.raises(ConfigError, match=r"\(one row at a time\)"):
+        check_memory(model=MODEL, device="cuda", gpus=1, data_parallel_size=1, tensor_parallel_size=1,
+                     pipeline_parallel_size=1, quantization="fp8", weights=None, dtype=None, kind="edit",
+                     generation=gen)
+
+
 @pytest.mark.parametrize("option", ["--pp", "--dp"])
 def test_cli_pp_and_dp_must_be_positive(tmp_path, capfd, option):
     from components.data.sample import write_sample_edit_dataset
