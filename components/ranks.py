@@ -248,8 +248,10 @@ def _context(rank: int, world: int, device, cfg_parallel: bool, pipeline_paralle
         pp_groups = [dist.new_group(chain) for chain in chains]
         return_groups = [dist.new_group(chain) for chain in chains]
         stage, tp_rank = divmod(rank, tp)
-        return ParallelContext(tp_rank, tp, device, group=tp_groups[stage] if tp_groups else None, pp_rank=stage,
-                               pp_size=pp, pp_group=pp_groups[tp_rank], pp_return_group=return_groups[tp_rank])
+        ctx = ParallelContext(tp_rank, tp, device, group=tp_groups[stage] if tp_groups else None, pp_rank=stage,
+                              pp_size=pp, pp_group=pp_groups[tp_rank], pp_return_group=return_groups[tp_rank])
+        ctx.open_stage_links()
+        return ctx
     if not cfg_parallel:
         return ParallelContext(rank, world, device)
     tp = world // 2

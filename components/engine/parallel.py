@@ -125,6 +125,27 @@ class ParallelContext:
         return dist.isend(tensor, self.stage_rank(stage), group=self.pp_return_group if back else self.pp_group)
 
     @_collective
+    def open_stage_links(self) -> None:
+        """Make the point-to-point links of both directions now, every stage together, before any
+        work. NCCL makes a pair's link at its first send/recv and blocks the caller until the peer
+        calls on that pair too: in the DiT wavefront the last stage's first send back comes long
+        before stage 0's first receive back, and a stage blocked there while the other had a send
+        out to it was how the 80B model at --pp 2 hung in its first DiT step (2 x H200, 2026-11-26)."""
+        import torch.distributed as dist
+
+        if self.pp_size == 1:
+            return
+        t = torch.zeros(1, device=self.device)
+        if self.pp_rank > 0:  # forward, as a chain 0 -> 1 -> ... -> last (each blocks in order)
+            dist.recv(t, self.stage_rank(self.pp_rank - 1), group=self.pp_group)
+        if not self.is_last_stage:
+            dist.send(t, self.stage_rank(self.pp_rank + 1), group=self.pp_group)
+        if self.is_last_stage:  # the way back: last -> 0
+            dist.send(t, self.stage_rank(0), group=self.pp_return_group)
+        elif self.pp_rank == 0:
+            dist.recv(t, self.stage_rank(self.pp_size - 1), group=self.pp_return_group)
+
+    @_collective
     def wait_all(self, works: list) -> None:
         for work in works:
             work.wait()
