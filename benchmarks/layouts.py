@@ -6,7 +6,7 @@
 Each layout runs `python -m pipeline.cli edit` as a user would, on the full-size model with dummy
 weights (`--model hunyuan-image-3`, or with --layers N a checkpoint directory written here whose
 config.json is the released one cut to N decoder layers: full width, reduced depth), FP8 by default,
-IT2I rows with 1024x1024 conditioning images, 8 steps, CFG 5, and every row's CoT forced to
+IT2I rows with 1024x1024 conditioning images and outputs (--output-size), 8 steps, CFG 5, and every row's CoT forced to
 --cot-tokens tokens (ARDIT_BENCH_COT_TOKENS, honoured with dummy weights only).
 
 Per layout it reports: rows ok / failed (and the first failure), wall time, model load time,
@@ -107,6 +107,13 @@ def mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 3) if values else None
 
 
+def job_processes(pgid: int) -> list[int]:
+    """The PIDs of the job's process group that are ardit's own (the CLI and its ranks)."""
+    out = subprocess.run(["ps", "-g", str(pgid), "-o", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split(None, 1)[0]) for line in out.strip().splitlines()
+            if line.strip() and "compile_worker" not in line and "resource_tracker" not in line]
+
+
 def watch_for_stall(proc: subprocess.Popen, last_line: list[float], stall_s: float) -> None:
     """If the job prints nothing for stall_s: every process of it prints its stacks (SIGUSR1,
     `ranks.dump_stacks_on_signal`), and after a few seconds the job is stopped."""
@@ -122,8 +129,12 @@ def watch_for_stall(proc: subprocess.Popen, last_line: list[float], stall_s: flo
                     print(subprocess.run(command, capture_output=True, text=True, timeout=20).stdout[:4000], flush=True)
                 except (OSError, subprocess.TimeoutExpired):
                     pass
-            os.killpg(proc.pid, signal.SIGUSR1)
-            time.sleep(5)
+            for pid in job_processes(proc.pid):  # not torch's compile workers: SIGUSR1 kills them
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+            time.sleep(10)
             os.killpg(proc.pid, signal.SIGTERM)
             time.sleep(10)
             if proc.poll() is None:
@@ -200,6 +211,9 @@ def main() -> None:
     p.add_argument("--guidance", type=float, default=5.0)
     p.add_argument("--cot-tokens", type=int, default=256)
     p.add_argument("--image-size", type=int, default=1024)
+    p.add_argument("--output-size", default="1024x1024",
+                   help="the rows' size column: WxH, or auto (the ratio token decides; with dummy weights "
+                        "it varies by row, and each new size compiles its DiT graphs)")
     p.add_argument("--quantization", default="fp8", help="fp8 | none")
     p.add_argument("--layers", type=int, default=0, help="reduced depth (0: the full 32-layer preset)")
     p.add_argument("--model", default=None, help="a preset or checkpoint instead (e.g. tiny); --layers is ignored")
@@ -214,9 +228,9 @@ def main() -> None:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    dataset = work / f"edit-{args.rows}-{args.image_size}.parquet"
+    dataset = work / f"edit-{args.rows}-{args.image_size}-{args.output_size}.parquet"
     if not dataset.exists():
-        write_sample_edit_dataset(str(dataset), n=args.rows, size=args.image_size)
+        write_sample_edit_dataset(str(dataset), n=args.rows, size=args.image_size, output_size=args.output_size)
     model = args.model or (str(write_reduced_checkpoint(work / f"stack-{args.layers}", args.layers)) if args.layers
                            else "hunyuan-image-3")
     import torch

@@ -81,8 +81,8 @@ def _write(uri: str, table: pa.Table, default_name: str) -> str:
     return uri
 
 
-def write_sample_edit_dataset(path: str, n: int = 8, size: int = 256, seed: int = 0) -> str:
-    """An edit dataset (id, instruction, image, seed, size='auto') of `n` synthetic scenes."""
+def write_sample_edit_dataset(path: str, n: int = 8, size: int = 256, seed: int = 0, output_size: str = "auto") -> str:
+    """An edit dataset (id, instruction, image, seed, size=`output_size`) of `n` synthetic `size`^2 scenes."""
     rng = random.Random(seed)
     rows = [
         {
@@ -90,7 +90,7 @@ def write_sample_edit_dataset(path: str, n: int = 8, size: int = 256, seed: int 
             "instruction": EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)],
             "image": draw_scene(size, rng),
             "seed": seed * 1000 + i,
-            "size": "auto",
+            "size": output_size,
         }
         for i in range(n)
     ]
