@@ -156,8 +156,7 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
     if args.quantization != "none":
         cmd += ["--quantization", args.quantization]
     cmd += args.extra
-    env = {**os.environ, "ARDIT_BENCH_COT_TOKENS": str(args.cot_tokens), "PYTHONUNBUFFERED": "1",
-           "ARDIT_EXPERIMENTAL_PP": "1"}  # pipeline stages on GPUs are opt-in (components/steps.py)
+    env = {**os.environ, "ARDIT_BENCH_COT_TOKENS": str(args.cot_tokens), "PYTHONUNBUFFERED": "1"}
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     lines: list[str] = []

@@ -228,7 +228,6 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     from components.steps import (
         KINDS,
         check_cuda_present,
-        check_pipeline_device,
         check_engine_options,
         check_pipeline_stages,
         default_kv_store,
@@ -274,7 +273,6 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     manifest = check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
     finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
     device = resolve_device(device)
-    check_pipeline_device(pipeline_parallel_size, device)
     gpus = visible_gpus(device)
     dp = parallel_layout(device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, gpus)
     if not finished:

@@ -460,23 +460,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks of configuration errors")
 
 
-def check_pipeline_device(pipeline_parallel_size: int, device: str) -> None:
-    """Pipeline stages on GPUs are experimental: correct over gloo on the CPU and completing on NCCL
-    (2 x H200, 2026-11-25), but its AR then ran the static-batch path (~10 s a row on the full model),
-    and the continuous-batching AR that replaced it under stages has not run on a GPU yet
-    (docs/benchmarks.md). Refused up front unless asked for, rather than promising what is unmeasured."""
-    if pipeline_parallel_size > 1 and device.startswith("cuda") and not os.environ.get("ARDIT_EXPERIMENTAL_PP"):
-        raise ConfigError(f"--pipeline-parallel-size {pipeline_parallel_size} on GPUs is experimental (not yet "
-                          "measured at speed): use --tp instead, or set ARDIT_EXPERIMENTAL_PP=1 to try it")
-
-
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kv_store = args.kv_store or None
     if kv_store and kv_store.startswith("$("):
         raise ConfigError(f"--kv-store {kv_store!r} is an unexpanded variable: set it in the ardit-endpoints "
                           "ConfigMap")
     device = resolve_device(args.device)
-    check_pipeline_device(args.pipeline_parallel_size, device)
     return {"model": args.model, "weights": args.weights, "dummy_weights": args.dummy_weights,
             "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
             **({"pipeline_parallel_size": args.pipeline_parallel_size} if args.pipeline_parallel_size != 1 else {}),
