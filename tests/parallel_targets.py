@@ -324,3 +324,24 @@ def ar_out_of_memory_on_stage0(parallel, **kwargs):
 
     ar_scheduler.fault_hook = oom
     return _step("ar")(parallel=parallel, **kwargs)
+
+
+def stage_round_trip(outdir: str, device: str, parallel) -> None:
+    """1.0 from stage 0 through every stage (+1 each) and back to stage 0 on the way-back link, in the
+    DiT wavefront's order (stage 0 sends on before it receives back): stage 0 writes what came back."""
+    import json
+
+    import torch
+
+    value = torch.empty(1)
+    if parallel.pp_rank == 0:
+        sent = parallel.isend_stage(torch.ones(1), 1)
+        parallel.recv_stage(value, parallel.pp_size - 1, back=True)
+        sent.wait()
+        with open(os.path.join(outdir, f"tp{parallel.rank}.json"), "w") as f:
+            json.dump(value.item(), f)
+        return
+    parallel.recv_stage(value, parallel.pp_rank - 1)
+    value += 1
+    to = 0 if parallel.is_last_stage else parallel.pp_rank + 1
+    parallel.isend_stage(value, to, back=parallel.is_last_stage).wait()

@@ -66,6 +66,18 @@ def test_stage_handoffs_carry_their_dtype_and_shape(tmp_path):
         assert got["broadcast"].dtype == torch.float32 and got["broadcast"].tolist() == [1.5, 2.5, 3.5, 4.5]
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 3), (2, 2)])
+def test_stage_links_opened_at_start_leave_nothing_behind(tmp_path, tp, pp):
+    """Every stage opens its links of both directions at start-up (`open_stage_links`: NCCL made the
+    way back lazily and hung the 80B model at --pp 2); what the opening sent must all be received
+    then, so the first real hand-offs and the way back carry their own values."""
+    import json
+
+    run_on_ranks("tests.parallel_targets:stage_round_trip", {"outdir": str(tmp_path)}, world_size=tp, device="cpu",
+                 pipeline_parallel_size=pp)
+    assert [json.load(open(tmp_path / f"tp{r}.json")) for r in range(tp)] == [float(pp)] * tp
+
+
 def test_stage_layers_are_contiguous_and_cover_the_model():
     assert [stage_layers(32, 2, s) for s in range(2)] == [range(0, 16), range(16, 32)]
     assert [stage_layers(5, 3, s) for s in range(3)] == [range(0, 2), range(2, 4), range(4, 5)]
