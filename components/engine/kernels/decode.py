@@ -18,7 +18,9 @@ over a whole span of tokens, so one CUDA graph per (batch bucket, span) replays 
 
 On CUDA in bf16 one graph is captured per span and replayed; elsewhere the same step runs
 eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks keep the plain path:
-a graph would hold the NCCL all-reduces of every layer. The graphs belong to one `StaticDecoder`,
+a graph would hold the NCCL all-reduces of every layer. Pipeline stages (without TP) graph their own
+layers only: the hand-offs between stages stay outside the graph (`StaticDecoder._run_stage`), so
+each stage decides alone whether its graph captured. The graphs belong to one `StaticDecoder`,
 i.e. to one AR batch: they hold the addresses of its KV cache and are captured again for the next.
 
 `DeviceSampler` picks every row's token on the logits' device, with one host copy per step.
@@ -52,11 +54,11 @@ def decode_mode(model) -> str:
 
     `decode_graphs=auto` picks graphs for CUDA bf16; `on` forces the static step anywhere (eager on
     the CPU and in other dtypes, whose per-expert MoE loop reads counts back to the host and so
-    cannot be captured). Tensor-parallel ranks (world size > 1) and pipeline stages always decode
-    plainly."""
+    cannot be captured). Tensor-parallel ranks (world size > 1) always decode plainly; pipeline
+    stages take the static step, each over its own layers."""
     weight = model.model.wte.weight
     parallel = getattr(model, "parallel", None)
-    if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1):
+    if parallel is not None and (parallel.world_size > 1 or parallel.cfg_parallel):
         return "plain"
     if not enabled("decode_graphs", weight, "on"):
         return "plain"
@@ -148,6 +150,8 @@ class StaticDecoder:
         # per step: token ids [n], live flags [n], each row's cache slot [n]
         self.inputs = torch.zeros(3 * n, dtype=torch.long, device=device)
         self._host = torch.zeros(3 * n, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.stages = model.pipeline  # under pipeline stages, run() hands hidden states between them
+        self.stage_in: torch.Tensor | None = None  # a later stage's static input (what the stage before sent)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs and device.type == "cuda" else None
         self.graph_error: str | None = None
@@ -171,8 +175,11 @@ class StaticDecoder:
         positions = (slot - self.offsets[lo:lo + n]).to(torch.float64).view(n, 1, 1).expand(n, 1, 2)
         writer = _SlotWriter([k[lo:lo + n] for k in self.cache.k_rows], [v[lo:lo + n] for v in self.cache.v_rows],
                              slot, span, self.cache.first_layer)
-        return model.forward_layers(model.embed_ids(ids.view(n, 1)), positions,
-                                    DecodeMask(keep.view(n, 1, 1, span)), writer)
+        mask = DecodeMask(keep.view(n, 1, 1, span))
+        if self.stages is not None:  # this stage's layers only (`_run_stage` hands off between stages)
+            x = model.embed_ids(ids.view(n, 1)) if self.stages.pp_rank == 0 else self.stage_in[:n]
+            return model.forward_layers(x, positions, mask, writer, layers=model.stage_layers)
+        return model.forward_layers(model.embed_ids(ids.view(n, 1)), positions, mask, writer)
 
     def set_inputs(self, tokens: list[int | None], slots: list[int] | None = None, n: int | None = None) -> int:
         """Copy one step's inputs for n rows (default: all) to the device (None: a row that feeds a
@@ -206,26 +213,51 @@ class StaticDecoder:
 
     def run(self, span: int, lo: int = 0, n: int | None = None) -> torch.Tensor:
         n = self.rows if n is None else n
+        if self.stages is not None:
+            return self._run_stage(span, lo, n)
+        return self._graphed((lo, n, span), lambda: self.forward(span, lo, n))
+
+    def _run_stage(self, span: int, lo: int, n: int) -> torch.Tensor:
+        """The step under pipeline stages: take the previous stage's hidden states into the static
+        input, run this stage's layers (its own graph), send them on; every stage then takes the
+        last stage's output (as `forward_layers` across stages does) and makes the logits from it."""
+        pp = self.stages
+        if pp.pp_rank > 0:
+            got = pp.recv_any_stage(pp.pp_rank - 1)
+            if self.stage_in is None:  # the dtype the stage before sends (its output may be wider)
+                self.stage_in = torch.empty((self.rows, *got.shape[1:]), dtype=got.dtype, device=got.device)
+            self.stage_in[:n].copy_(got)
+        hidden = self._graphed((lo, n, span), lambda: self.layers(span, lo, n))
+        if not pp.is_last_stage:
+            pp.send_stage(hidden, pp.pp_rank + 1)
+        hidden = pp.broadcast_from_last_stage(hidden)
+        return self.model.text_logits(hidden[:, -1])
+
+    def _graphed(self, key: tuple, fn) -> torch.Tensor:
+        """fn() (an idempotent static step) replayed from its CUDA graph, captured on first use; or
+        run eagerly without graphs, or once a capture failed."""
         if not self.use_graphs:
-            return self.forward(span, lo, n)
-        entry = self.graphs.get((lo, n, span))
+            return fn()
+        entry = self.graphs.get(key)
         if entry is None:
             try:
-                entry = self.graphs[(lo, n, span)] = self.capture(lambda: self.forward(span, lo, n), self.pool)
+                # thread-local capture under pipeline stages: NCCL's watchdog thread polls events meanwhile
+                mode = "global" if self.stages is None else "thread_local"
+                entry = self.graphs[key] = self.capture(fn, self.pool, mode)
             except RuntimeError as e:  # an op that syncs with the host cannot be captured
                 if not is_kernel_failure(e):
                     raise  # out of memory, a lost rank: not the graph's failure
-                record_fallback("decode_graphs", (self.rows, span), e)
+                record_fallback("decode_graphs", (self.rows, key[-1]), e)
                 warnings.warn(f"decode graphs: capture failed, decoding eagerly ({e})", stacklevel=2)
                 self.graph_error, self.use_graphs = str(e), False
                 torch.cuda.synchronize()
-                return self.forward(span, lo, n)
-        graph, logits = entry
+                return fn()
+        graph, out = entry
         graph.replay()
-        return logits
+        return out
 
     @staticmethod
-    def capture(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture(fn, pool=None, mode: str = "global") -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """A CUDA graph of fn() (an idempotent static step) and its output buffer."""
         # warm up on a side stream first: lazy initialisations (cuBLAS handles, workspaces) must
         # not happen during capture. The step is idempotent (same K/V at the same slot), so the
@@ -236,7 +268,7 @@ class StaticDecoder:
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with _capture_autocast(), torch.cuda.graph(graph, pool=pool):
+        with _capture_autocast(), torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
             out = fn()
         return graph, out
 
