@@ -106,6 +106,17 @@ def test_pipeline_stages_match_one_process(single, tmp_path, tp, pp):
 
 
 @pytest.mark.slow
+def test_pipeline_stages_static_decode_matches_one_process(single, tmp_path, monkeypatch):
+    """With decode_graphs=on each stage runs the static decode step over its own layers, the hand-offs
+    outside it (on a GPU a CUDA graph of the stage's layers; eager here): same tokens and K/V."""
+    monkeypatch.setenv("ARDIT_KERNELS", "decode_graphs=on")  # the spawned ranks read it
+    for (stage, _), out in _stages(tmp_path, 1, 2).items():
+        assert out["tokens"] == single["tokens"]
+        for k_stage, layer in zip(out["kv"].keys, out["layers"]):
+            torch.testing.assert_close(k_stage, single["kv"].keys[layer], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_kv_moves_between_pipeline_and_one_process(single, tmp_path):
     """A TP1 AR's K/V feeds PP2 stages (each takes its layers) and reuses exactly; the PP2 stages'
     K/V, joined in layer order, feeds a TP1 DiT."""
