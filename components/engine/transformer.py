@@ -561,10 +561,17 @@ class HunyuanImage3ForCausalMM(nn.Module):
         x, each next stage receives the hidden states (x's shape: every stage built x), runs its
         layers and sends them on; the last stage's output is broadcast back, so every stage returns
         the same hidden states (and takes the same decisions from them)."""
+        return self.across_stages(
+            x, lambda h: self.forward_layers(h, positions, mask, cache, compiled, layers=self.stage_layers))
+
+    def across_stages(self, x: torch.Tensor | None, run_stage) -> torch.Tensor:
+        """The hand-offs around one stage's work: stage 0 runs `run_stage(x)`, each later stage runs
+        it on what the stage before sent and sends its output on; the last stage's output is
+        broadcast, so every stage returns the same hidden states."""
         pp = self.pipeline
         if pp.pp_rank > 0:
             x = pp.recv_any_stage(pp.pp_rank - 1)
-        x = self.forward_layers(x, positions, mask, cache, compiled, layers=self.stage_layers)
+        x = run_stage(x)
         if not pp.is_last_stage:
             pp.send_stage(x, pp.pp_rank + 1)
         return pp.broadcast_from_last_stage(x)

@@ -21,8 +21,8 @@ eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks ke
 a graph would hold the NCCL all-reduces of every layer. Pipeline stages (without TP, and with
 `decode_graphs=on`: see `decode_mode`) graph their own layers only: the hand-offs between stages
 stay outside the graph (`StaticDecoder._run_stage`), so each stage decides alone whether its graph
-captured. The graphs belong to one `StaticDecoder`,
-i.e. to one AR batch: they hold the addresses of its KV cache and are captured again for the next.
+captured. The graphs belong to one `StaticDecoder`, i.e. to one AR batch: they hold the addresses
+of its KV cache and are captured again for the next.
 
 `DeviceSampler` picks every row's token on the logits' device, with one host copy per step.
 """
@@ -62,9 +62,8 @@ def decode_mode(model) -> str:
     not run with them; `auto` keeps them off there."""
     weight = model.model.wte.weight
     parallel = getattr(model, "parallel", None)
-    if parallel is not None and (parallel.world_size > 1 or parallel.cfg_parallel):
-        return "plain"
-    if parallel is not None and parallel.pp_size > 1 and settings().decode_graphs != "on":
+    if parallel is not None and (parallel.world_size > 1
+                                 or (parallel.pp_size > 1 and settings().decode_graphs != "on")):
         return "plain"
     if not enabled("decode_graphs", weight, "on"):
         return "plain"
@@ -224,20 +223,17 @@ class StaticDecoder:
         return self._graphed((lo, n, span), lambda: self.forward(span, lo, n))
 
     def _run_stage(self, span: int, lo: int, n: int) -> torch.Tensor:
-        """The step under pipeline stages: take the previous stage's hidden states into the static
-        input, run this stage's layers (its own graph), send them on; every stage then takes the
-        last stage's output (as `forward_layers` across stages does) and makes the logits from it."""
-        pp = self.stages
-        if pp.pp_rank > 0:
-            got = pp.recv_any_stage(pp.pp_rank - 1)
-            if self.stage_in is None:  # the dtype the stage before sends (its output may be wider)
-                self.stage_in = torch.empty((self.rows, *got.shape[1:]), dtype=got.dtype, device=got.device)
-            self.stage_in[:n].copy_(got)
-        hidden = self._graphed((lo, n, span), lambda: self.layers(span, lo, n))
-        if not pp.is_last_stage:
-            pp.send_stage(hidden, pp.pp_rank + 1)
-        hidden = pp.broadcast_from_last_stage(hidden)
-        return self.model.text_logits(hidden[:, -1])
+        """The step under pipeline stages: this stage's layers (its own graph) between the model's
+        hand-offs; a later stage first copies what the stage before sent into its static input.
+        Every stage makes the logits from the last stage's output."""
+        def stage(got: torch.Tensor | None) -> torch.Tensor:
+            if got is not None:
+                if self.stage_in is None:  # the dtype the stage before sends (its output may be wider)
+                    self.stage_in = torch.empty((self.rows, *got.shape[1:]), dtype=got.dtype, device=got.device)
+                self.stage_in[:n].copy_(got)
+            return self._graphed((lo, n, span), lambda: self.layers(span, lo, n))
+
+        return self.model.text_logits(self.model.across_stages(None, stage)[:, -1])
 
     def _graphed(self, key: tuple, fn) -> torch.Tensor:
         """fn() (an idempotent static step) replayed from its CUDA graph, captured on first use; or
