@@ -156,15 +156,17 @@ def _layout_flags(tp: int, pp: int, quantization: str | None) -> str:
 
 
 def check_fit(model: str, free_bytes: list[float], *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-              quantization: str | None = None, dtype: str | None = None, batch_size: int = 8, kind: str = "edit",
+              quantization: str | None = None, dtype: str | None = None, kind: str = "edit",
               max_new_tokens: int = 2048, cfg_rows: int = 2, gpus_visible: int | None = None) -> Estimate:
     """ConfigError (one line: what is needed, what is free, which layouts would fit) when the
-    estimate of one model copy exceeds the smallest free memory of the GPUs it would use."""
+    estimate of one model copy running one row at a time exceeds the smallest free memory of the
+    GPUs it would use. One row: --batch-size is a cap, the AR's scheduler admits what the memory
+    left after the weights holds (ar_scheduler.Admission) and halves on OOM."""
     from components.steps import describe_model
 
     config = describe_model(model)[1]
     replicated = replicated_parameter_bytes(model, dtype)
-    planned = dict(dtype=dtype, batch_size=batch_size, kind=kind, max_new_tokens=max_new_tokens, cfg_rows=cfg_rows)
+    planned = dict(dtype=dtype, batch_size=1, kind=kind, max_new_tokens=max_new_tokens, cfg_rows=cfg_rows)
     need = estimate(config, replicated, tensor_parallel_size=tensor_parallel_size,
                     pipeline_parallel_size=pipeline_parallel_size, quantization=quantization, **planned)
     free = min(free_bytes)
@@ -176,9 +178,8 @@ def check_fit(model: str, free_bytes: list[float], *, tensor_parallel_size: int 
     have = f"; this machine has {gpus_visible} GPU(s)" if gpus_visible is not None else ""
     hint = (f"what would fit: {'; or '.join(fits)}{have}" if fits else
             "no layout up to 4x the GPUs fits: use GPUs with more memory")
-    batch = "one row at a time" if batch_size == 1 else f"batch {batch_size}"
     raise ConfigError(
-        f"--model {model} does not fit at {layout} ({batch}): it needs about {need.total / GB:.0f} GB "
+        f"--model {model} does not fit at {layout} (one row at a time): it needs about {need.total / GB:.0f} GB "
         f"per GPU (weights {need.weights / GB:.0f} GB, K/V {need.kv / GB:.0f} GB, activations "
         f"{(need.activations + need.context) / GB:.0f} GB) and the GPU has {free / GB:.0f} GB free; {hint}")
 

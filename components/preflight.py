@@ -190,11 +190,8 @@ def check_memory(*, model: str, device: str, gpus: int | None, data_parallel_siz
     if not free:
         return
     distilled = describe_model(model)[1].cfg_distilled
-    # one row must fit: --batch-size is a cap, the AR's scheduler admits what the memory left after
-    # the weights holds (ar_scheduler.Admission) and halves on OOM, so a big cap is not an error
     check_fit(model, free, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-              quantization=quantization, dtype=dtype, batch_size=1,
-              kind=kind, max_new_tokens=generation["max_new_tokens"],
+              quantization=quantization, dtype=dtype, kind=kind, max_new_tokens=generation["max_new_tokens"],
               cfg_rows=1 if distilled or generation["guidance"] <= 1 else 2, gpus_visible=gpus)
 
 
