@@ -22,6 +22,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention": ("auto", "sdpa", "flex"),        # masked prefills / DiT first steps
     "moe": ("auto", "loop", "grouped", "fused"),  # routed-expert dispatch
     "decode_graphs": ("auto", "off", "on"),       # CUDA graphs for AR decode
+    "decode_attention": ("auto", "sdpa", "split"),  # AR decode attention (split: each row to its length)
     "compile": ("auto", "off", "on"),             # torch.compile per decoder layer (DiT steps)
     "batch_invariant": ("off", "on"),             # a row is bitwise independent of its batch
 }
@@ -32,6 +33,7 @@ class KernelSettings:
     attention: str = "auto"
     moe: str = "auto"
     decode_graphs: str = "auto"
+    decode_attention: str = "auto"
     compile: str = "auto"
     batch_invariant: str = "off"
 
@@ -50,7 +52,8 @@ def parse(spec: str | None, base: KernelSettings | None = None) -> KernelSetting
             fast = item == "fast"
             # plain: the engine before the fast paths (grouped GEMMs where they run, else the loop)
             out = replace(out, attention="flex" if fast else "sdpa", moe="fused" if fast else "grouped",
-                          decode_graphs="on" if fast else "off", compile="on" if fast else "off")
+                          decode_graphs="on" if fast else "off", compile="on" if fast else "off",
+                          decode_attention="split" if fast else "sdpa")
             continue
         name, _, value = item.partition("=")
         name, value = name.strip().replace("-", "_"), value.strip()
@@ -169,10 +172,10 @@ def run_fast(path: str, key, fast, plain, parallel=None):
     passes parallel=None: a rank may then take the plain path alone, its collectives are the same.
     Inside an outer torch.compile or a CUDA graph capture it runs fast() as is (the outer region or
     the capture has its own fallback: a failed capture invalidates the stream for any plain path)."""
+    if (path, key) in _plain_keys:  # also while capturing: the capture's warm-up fell back
+        return plain()
     if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return fast()
-    if (path, key) in _plain_keys:
-        return plain()
     if parallel is None or parallel.world_size == 1:
         try:
             return fast()

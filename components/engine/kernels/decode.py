@@ -82,12 +82,27 @@ GROUPED_FROM = 0
 
 class DecodeMask:
     """Validity mask of a one-token decode step, keep [B, 1, 1, S] over the static span of the
-    cache; computes the attention itself (`transformer.attend` defers to `attend`)."""
+    cache, and each row's length kv_len [B] (its write slot + 1: no later slot is kept); computes
+    the attention itself (`transformer.attend` defers to `attend`).
 
-    def __init__(self, keep: torch.Tensor) -> None:
-        self.keep = keep
+    On CUDA (`decode_attention=auto|split`) the split-KV kernel reads each row up to its length
+    only (kernels/decode_attention.py); SDPA reads the whole span of every row. A kernel failure
+    falls back to SDPA for that shape."""
+
+    def __init__(self, keep: torch.Tensor, kv_len: torch.Tensor | None = None) -> None:
+        self.keep, self.kv_len = keep, kv_len
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.kv_len is not None and enabled("decode_attention", q, "split"):
+            from . import decode_attention, run_fast
+
+            if decode_attention.supported(q, k):
+                return run_fast("decode_attention", (q.shape[0], q.shape[1], k.shape[1], k.shape[2], q.dtype),
+                                lambda: decode_attention.split_kv_attention(q, k, v, self.keep, self.kv_len),
+                                lambda: self.sdpa(q, k, v))
+        return self.sdpa(q, k, v)
+
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, heads, t, d = q.shape  # t == 1
         kv_heads = k.shape[1]
         if b * kv_heads < GROUPED_FROM:
@@ -180,7 +195,7 @@ class StaticDecoder:
         positions = (slot - self.offsets[lo:lo + n]).to(torch.float64).view(n, 1, 1).expand(n, 1, 2)
         writer = _SlotWriter([k[lo:lo + n] for k in self.cache.k_rows], [v[lo:lo + n] for v in self.cache.v_rows],
                              slot, span, self.cache.first_layer)
-        mask = DecodeMask(keep.view(n, 1, 1, span))
+        mask = DecodeMask(keep.view(n, 1, 1, span), slot + 1)
         if self.stages is not None:  # this stage's layers only (`_run_stage` hands off between stages)
             x = model.embed_ids(ids.view(n, 1)) if self.stages.pp_rank == 0 else self.stage_in[:n]
             return model.forward_layers(x, positions, mask, writer, layers=model.stage_layers)
