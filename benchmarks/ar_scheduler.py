@@ -17,8 +17,10 @@ is left out):
 
 Per arm: rows/s, generated tokens/s, mean decode batch, peak GPU memory, and the decode HBM floor:
 decode steps x layers x decode_kernels.floor_bytes(mean batch, mean K/V length) / measured copy
-bandwidth, as a share of the arm's whole wall time (prefill included, so a lower bound on the
-decode steps' own share). Prints a table; writes JSON.
+bandwidth, as a share of the arm's whole wall time (prefill included, so a lower bound) and of the
+scheduler arms' decode steps alone (`%floor decode`: the steps' synchronized wall time, without the
+prefill chunks and the finished rows' K/V export). `--profile-steps A:B` writes a torch.profiler
+table of scheduler steps A..B. Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -81,7 +83,14 @@ def _run_arm(engine, name: str, requests, sampling, args) -> dict:
             out.prompt_kv = None
             outputs.append(out)
 
-        stats = engine.ar.stream(requests, keep, sampling, True, admission)
+        from components.engine import ar_scheduler
+
+        if args.profile_steps:
+            ar_scheduler.fault_hook = StepProfiler(args.profile_steps, Path(args.out).with_name(f"profile_{name}.txt"))
+        try:
+            stats = engine.ar.stream(requests, keep, sampling, True, admission)
+        finally:
+            ar_scheduler.fault_hook = None
         steps = stats["decode_steps"]
     _sync()
     wall = time.perf_counter() - t0
@@ -100,7 +109,40 @@ def _run_arm(engine, name: str, requests, sampling, args) -> dict:
         layers = len(engine.model.model.layers)
         floor_s = steps * layers * floor_bytes(engine.model, max(1, round(mean_batch)), kv) / args.bandwidth
         res.update(floor_s=round(floor_s, 2), pct_of_hbm_floor=round(100 * floor_s / wall, 1), floor_kv=kv)
+        steps_s = stats.get("decode_s", 0.0) - stats.get("finish_s", 0.0)  # the decode steps alone
+        if steps_s > 0:
+            res.update(decode_steps_s=round(steps_s, 2), ms_per_decode_step=round(1e3 * steps_s / steps, 2),
+                       floor_ms_per_step=round(1e3 * floor_s / steps, 2),
+                       pct_of_hbm_floor_decode=round(100 * floor_s / steps_s, 1))
     return res
+
+
+class StepProfiler:
+    """torch.profiler over scheduler steps [first, last) of one arm (through the scheduler's
+    per-step hook): the kernels a decode step spends its time in, as a table in `path`."""
+
+    def __init__(self, spec: str, path: Path) -> None:
+        self.first, self.last = (int(x) for x in spec.split(":"))
+        self.path, self.step, self.prof = path, 0, None
+
+    def __call__(self, scheduler) -> None:
+        if self.step == self.first:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+            self.rows = len(scheduler.running)
+        elif self.step == self.last and self.prof is not None:
+            _sync()
+            self.prof.__exit__(None, None, None)
+            averages = self.prof.key_averages()
+            head = (f"scheduler steps {self.first}..{self.last}, {self.rows} rows decoding at the start, "
+                    f"{scheduler.stats.decode_steps} decode steps so far\n")
+            tables = [averages.table(sort_by=key, row_limit=45) for key in ("self_device_time_total",
+                                                                             "device_time_total")]
+            self.path.write_text(head + "\n\n".join(tables))
+            print(f"profile of steps {self.first}..{self.last} written to {self.path}", flush=True)
+            self.prof = None
+        self.step += 1
 
 
 def main() -> int:
@@ -115,6 +157,7 @@ def main() -> int:
     p.add_argument("--arms", default="static8,cont8,auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--profile-steps", default="", help="A:B: profile scheduler steps A..B of the scheduler arms")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ar_scheduler.json"))
     args = p.parse_args()
 
@@ -144,6 +187,7 @@ def main() -> int:
         result["weights_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2)
     print(f"loaded in {result['load_s']} s; {args.rows} rows, CoT {args.cot} (median {result['cot_median']})",
           flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for arm in args.arms.split(","):
         result["arms"][arm] = _run_arm(engine, arm, requests, sampling, args)
         print(f"{arm}: {result['arms'][arm]}", flush=True)
@@ -151,11 +195,13 @@ def main() -> int:
     base = result["arms"].get("static8")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"\n{'arm':8}{'rows/s':>9}{'tok/s':>10}{'x static8':>10}{'batch':>7}{'peak GB':>9}{'%floor':>8}")
+    print(f"\n{'arm':8}{'rows/s':>9}{'tok/s':>10}{'x static8':>10}{'batch':>7}{'peak GB':>9}{'%floor':>8}"
+          f"{'ms/step':>9}{'%floor decode':>15}")
     for arm, r in result["arms"].items():
         speedup = r["rows_per_s"] / base["rows_per_s"] if base else float("nan")
         print(f"{arm:8}{r['rows_per_s']:>9}{r['tokens_per_s']:>10}{speedup:>10.2f}{r['mean_batch']:>7}"
-              f"{r['peak_gb'] or 0:>9}{r.get('pct_of_hbm_floor', '-'):>8}")
+              f"{r['peak_gb'] or 0:>9}{r.get('pct_of_hbm_floor', '-'):>8}{r.get('ms_per_decode_step', '-'):>9}"
+              f"{r.get('pct_of_hbm_floor_decode', '-'):>15}")
     return 0
 
 

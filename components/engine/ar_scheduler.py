@@ -51,6 +51,14 @@ CLOSING_MARGIN = 16  # forced closing tokens may exceed a tiny budget (as ARGene
 fault_hook: Callable[["ARScheduler"], None] | None = None
 
 
+def _wait_for_device(device: torch.device) -> None:
+    """Wait for the queued GPU work. The next step's token choice reads the logits back anyway,
+    so this costs only the few host microseconds that overlapped it; it makes each phase's timing
+    (the row's `ar_prefill_s` / `ar_decode_s`, the stats) the device's time, not launch time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class RowTooLarge(MemoryError):
     """A row whose K/V does not fit even alone (a transient error: another --tp / --pp / GPU fits it)."""
 
@@ -164,6 +172,9 @@ class SchedulerStats:
     decode_row_steps: int = 0  # rows fed over all decode steps (mean occupancy = / decode_steps)
     prefill_chunks: int = 0
     prefill_tokens: int = 0
+    prefill_s: float = 0.0  # wall time of the prefill chunks, the device's work included
+    decode_s: float = 0.0  # wall time of the decode steps (choosing tokens, finishing rows, the step)
+    finish_s: float = 0.0  # of which finishing rows: the decoded tokens' K/V rewritten, the export
     peak_rows: int = 0
     oom_retries: int = 0
     pool_rows: int = 0
@@ -332,7 +343,10 @@ class ARScheduler:
             self.logits[seq.slot] = self.model.text_logits(hidden[:, -1])[0]
             self.prefilling.pop(0)
             self.running.append(seq)
-        seq.prefill_s += time.perf_counter() - t0
+        _wait_for_device(self.model.device)  # so the chunk's time is its own, not the next decode step's
+        dt = time.perf_counter() - t0
+        seq.prefill_s += dt
+        self.stats.prefill_s += dt
 
     @staticmethod
     def _chunk_end(seq: _Seq, start: int, limit: int) -> int:
@@ -380,7 +394,9 @@ class ARScheduler:
         if not feed:
             return
         self._step(feed)
+        _wait_for_device(self.model.device)
         dt = time.perf_counter() - t0
+        self.stats.decode_s += dt
         self.stats.decode_steps += 1
         self.stats.decode_row_steps += len(feed)
         for slot in feed:
@@ -406,9 +422,11 @@ class ARScheduler:
     def _finish(self, seq: _Seq) -> None:
         """Export the row's K/V and hand its output over; its slot is free for a waiting row."""
         row = seq.row
+        t0 = time.perf_counter()
         if self.export_kv and self.prefill_decoded and row.generated[:-1]:
             self._write_decoded(seq)
         out = self.ar._finish(row, seq.slot, self.pool if self.export_kv else None)
+        self.stats.finish_s += time.perf_counter() - t0
         out.timings = {"ar_prefill_s": seq.prefill_s, "ar_decode_s": seq.decode_s,
                        "ar_batch_size": round(seq.batch_sum / seq.steps, 3) if seq.steps else 1,
                        "ar_decode_steps": seq.steps, "prompt_tokens": seq.prompt_len,
