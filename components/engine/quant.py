@@ -118,6 +118,24 @@ def _gather_rows(q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8)[index].view(q.dtype)
 
 
+def _scaled_grouped_mm(a: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_w: torch.Tensor,
+                       offs: torch.Tensor, use_fast_accum: bool) -> torch.Tensor:
+    """Rows a [M, K] of each expert times its weight w [E, N, K]^T with rowwise scales -> [M, N] bf16:
+    for few rows (AR decode) the Triton kernel of kernels/fp8_grouped.py (`expert_gemm=auto`), which
+    does not pad each expert's rows to CUTLASS's tile; else, or where it fails, `torch._scaled_grouped_mm`."""
+    from . import kernels
+    from .kernels import fp8_grouped
+
+    def cutlass() -> torch.Tensor:
+        return torch._scaled_grouped_mm(a, w.transpose(1, 2), scale_a, scale_w, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=use_fast_accum)
+
+    if kernels.settings().expert_gemm != "cutlass" and fp8_grouped.supported(a, w):
+        return kernels.run_fast("expert_gemm", (w.shape[1], w.shape[2]),
+                                lambda: fp8_grouped.grouped_mm_few_rows(a, w, scale_a, scale_w, offs), cutlass)
+    return cutlass()
+
+
 def fp8_moe_fused(x, weights, experts, w1, s1, w2, s2, use_fast_accum: bool = False,
                   combine: str = "compiled") -> torch.Tensor:
     """Routed experts, W8A8: quantize tokens once, gather FP8 rows in expert order, two rowwise
@@ -125,11 +143,9 @@ def fp8_moe_fused(x, weights, experts, w1, s1, w2, s2, use_fast_accum: bool = Fa
     order, token, offs = sort_by_expert(experts, w1.shape[0])
     qx, sx = call_compiled(quantize_rowwise, x)
     xs, ss = _gather_rows(qx, token), sx[token]
-    h = torch._scaled_grouped_mm(xs, w1.transpose(1, 2), ss, s1, offs=offs, out_dtype=torch.bfloat16,
-                                 use_fast_accum=use_fast_accum)
+    h = _scaled_grouped_mm(xs, w1, ss, s1, offs, use_fast_accum)
     qh, sh = call_compiled(swiglu_quantize_rowwise, h)
-    y = torch._scaled_grouped_mm(qh, w2.transpose(1, 2), sh, s2, offs=offs, out_dtype=torch.bfloat16,
-                                 use_fast_accum=use_fast_accum)
+    y = _scaled_grouped_mm(qh, w2, sh, s2, offs, use_fast_accum)
     if combine == "bmm":  # the bf16 path's combine: scatter back to (token, slot) order, batched matmul
         per_slot = torch.empty_like(y)
         per_slot[order] = y

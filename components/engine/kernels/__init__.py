@@ -23,6 +23,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "moe": ("auto", "loop", "grouped", "fused"),  # routed-expert dispatch
     "decode_graphs": ("auto", "off", "on"),       # CUDA graphs for AR decode
     "decode_attention": ("auto", "sdpa", "split"),  # AR decode attention (split: each row to its length)
+    "expert_gemm": ("auto", "cutlass"),           # FP8 experts with few rows: Triton (auto) or CUTLASS
     "compile": ("auto", "off", "on"),             # torch.compile per decoder layer (DiT steps)
     "batch_invariant": ("off", "on"),             # a row is bitwise independent of its batch
 }
@@ -34,6 +35,7 @@ class KernelSettings:
     moe: str = "auto"
     decode_graphs: str = "auto"
     decode_attention: str = "auto"
+    expert_gemm: str = "auto"
     compile: str = "auto"
     batch_invariant: str = "off"
 
@@ -53,7 +55,8 @@ def parse(spec: str | None, base: KernelSettings | None = None) -> KernelSetting
             # plain: the engine before the fast paths (grouped GEMMs where they run, else the loop)
             out = replace(out, attention="flex" if fast else "sdpa", moe="fused" if fast else "grouped",
                           decode_graphs="on" if fast else "off", compile="on" if fast else "off",
-                          decode_attention="split" if fast else "sdpa")
+                          decode_attention="split" if fast else "sdpa",
+                          expert_gemm="auto" if fast else "cutlass")
             continue
         name, _, value = item.partition("=")
         name, value = name.strip().replace("-", "_"), value.strip()
