@@ -13,21 +13,89 @@ Only the inference path is kept (no tiling, slicing or gradient checkpointing).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
 from .config import VAEConfig
+from .kernels.compiled import call_compiled
 
 # The official modules hard-code GroupNorm(32); a channel width must be a multiple of 32.
 NORM_GROUPS = 32
 
 
-def _group_norm(num_groups: int, channels: int) -> nn.GroupNorm:
+def _normalize(x: Tensor, weight: Tensor, bias: Tensor, num_groups: int, eps: float) -> Tensor:
+    """nn.GroupNorm's math in float32: mean and biased variance per (sample, group), then per
+    channel y = x * a + b with a = rstd * weight, b = bias - mean * a (as PyTorch's CUDA kernel)."""
+    b, c = x.shape[:2]
+    xg = x.reshape(b, num_groups, c // num_groups, -1).float()  # [B, G, C/G, T*H*W]
+    var, mean = torch.var_mean(xg, dim=(2, 3), correction=0, keepdim=True)
+    scale = torch.rsqrt(var + eps) * weight.float().view(1, num_groups, -1, 1)
+    shift = bias.float().view(1, num_groups, -1, 1) - mean * scale
+    return (xg * scale + shift).reshape(x.shape)
+
+
+def group_norm(x: Tensor, weight: Tensor, bias: Tensor, num_groups: int, eps: float, dtype: torch.dtype) -> Tensor:
+    """F.group_norm(x, num_groups, weight, bias, eps) computed in float32, returned in `dtype`."""
+    return _normalize(x, weight, bias, num_groups, eps).to(dtype)
+
+
+def group_norm_silu(x: Tensor, weight: Tensor, bias: Tensor, num_groups: int, eps: float,
+                    dtype: torch.dtype) -> Tensor:
+    """F.silu(F.group_norm(...)) computed in float32, returned in `dtype`."""
+    return F.silu(_normalize(x, weight, bias, num_groups, eps)).to(dtype)
+
+
+def fast_norms(x: Tensor) -> bool:
+    """Whether the VAE's norms take the compiled path: for inference (no autograd; encode and
+    decode run under no_grad) on CUDA, unless the kernel setting `compile=off` (as in
+    ARDIT_KERNELS=plain) keeps nn.GroupNorm's own kernel."""
+    return x.is_cuda and not torch.is_grad_enabled() and kernels.settings().compile != "off"
+
+
+class GroupNorm(nn.GroupNorm):
+    """nn.GroupNorm (same parameters and state-dict names) with a faster CUDA path.
+
+    PyTorch's CUDA group_norm reduces each (sample, group) in one thread block: with batch 1 and 32
+    groups only 32 blocks run, which left a 1024x1024 encode spending half its time in the norms.
+    On CUDA the same float32 math runs through `torch.compile` instead (split reductions, the
+    normalization, affine and SiLU fused into a few kernels). Elsewhere it is nn.GroupNorm."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.affine and fast_norms(x)):
+            return super().forward(x)
+        # group_norm is a float32 op under autocast: its output stays float32 there
+        return self._compiled(group_norm, x, torch.float32 if torch.is_autocast_enabled("cuda") else x.dtype)
+
+    def conv_input(self, x: Tensor, silu: bool = True) -> Tensor:
+        """`F.silu(self(x))` (or `self(x)`) as the Conv3d that follows reads it.
+
+        Under float16 autocast the conv casts the float32 norm output to float16 anyway; here that
+        cast is fused into the norm's kernel: the conv sees the same float32 formula rounded once
+        to float16, as before (only float32 rounding inside differs, mostly the reduction order
+        of the statistics), and no float32 tensor is written. Without autocast the conv reads
+        the norm's own dtype."""
+        if not (self.affine and fast_norms(x)):
+            return F.silu(super().forward(x)) if silu else super().forward(x)
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        return self._compiled(group_norm_silu if silu else group_norm, x, dtype)
+
+    def _compiled(self, fn: Callable[..., Tensor], x: Tensor, dtype: torch.dtype) -> Tensor:
+        # As [B, C, T*H*W], detached from x's view chain (no autograd here): one dynamic graph then
+        # serves every resolution and frame count (a 5-D input specialises T=1, and dynamo guards
+        # on a view's base).
+        flat = x.flatten(2).detach()
+        y = call_compiled(fn, flat, self.weight, self.bias, self.num_groups, self.eps, dtype, dynamic=0)
+        return y.view(x.shape)
+
+
+def _group_norm(num_groups: int, channels: int) -> GroupNorm:
     if channels % num_groups:
         raise ValueError(f"VAE width {channels} is not a multiple of {num_groups} (official GroupNorm(32))")
-    return nn.GroupNorm(num_groups=num_groups, num_channels=channels, eps=1e-6, affine=True)
+    return GroupNorm(num_groups=num_groups, num_channels=channels, eps=1e-6, affine=True)
 
 
 def _space_time_to_channels(x: Tensor, r1: int) -> Tensor:
@@ -94,7 +162,7 @@ class AttnBlock(nn.Module):
         self.proj_out = Conv3d(channels, channels, kernel_size=1)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.norm(x)
+        h = self.norm.conv_input(x, silu=False)
         q, k, v = self.q(h), self.k(h), self.v(h)
         b, c, f, hh, ww = q.shape
         # (b, c, f, h, w) -> (b, 1, f*h*w, c)
@@ -118,8 +186,8 @@ class ResnetBlock(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
+        h = self.conv1(self.norm1.conv_input(x))
+        h = self.conv2(self.norm2.conv_input(h))
         if self.nin_shortcut is not None:
             x = self.nin_shortcut(x)
         return x + h
@@ -227,7 +295,7 @@ class Encoder(nn.Module):
                 h = down.downsample(h)
         h = self.mid.block_2(self.mid.attn_1(self.mid.block_1(h)))
         shortcut = self._out_shortcut(h)
-        h = self.conv_out(F.silu(self.norm_out(h)))
+        h = self.conv_out(self.norm_out.conv_input(h))
         return h + shortcut
 
 
@@ -283,7 +351,7 @@ class Decoder(nn.Module):
                 h = block(h)
             if hasattr(up, "upsample"):
                 h = up.upsample(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(self.norm_out.conv_input(h))
 
 
 class AutoencoderKLConv3D(nn.Module):
