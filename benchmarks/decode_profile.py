@@ -8,7 +8,8 @@ A `--layers`-layer FP8 stack (`quant.build_model_fp8`, the engine's dummy weight
 benchmarks/decode_attention.py: half ~1.2k T2I prompts, half ~5.2k edit prompts, plus CoT; one slot
 in six free), one static decode step (`StaticDecoder`, as the scheduler runs it): its CUDA-graph
 replay timed (CUDA events), against the HBM floor (`decode_kernels.floor_bytes` at the live rows and
-their mean length); then a torch.profiler table of a few eager runs of the same step (the same
+their mean length), under the kernel settings of ARDIT_KERNELS (e.g. `compile=off` for the layers
+without their compiled regions); then a torch.profiler table of a few eager runs of the same step (the same
 kernels without the graph), per layer, sorted by device time. Prints both; writes JSON and the table.
 """
 
@@ -26,6 +27,7 @@ import torch  # noqa: E402
 from benchmarks.decode_kernels import copy_bandwidth, floor_bytes  # noqa: E402
 from benchmarks.engine_layers import cuda_time  # noqa: E402
 from components.engine.config import get_config  # noqa: E402
+from components.engine.kernels import settings  # noqa: E402
 from components.engine.kernels.decode import StaticDecoder  # noqa: E402
 from components.engine.quant import build_model_fp8  # noqa: E402
 
@@ -46,16 +48,11 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rows", type=int, default=42)
     p.add_argument("--span", type=int, default=7168)
-    p.add_argument("--compiled", action="store_true",
-                   help="run the step's layers through the compiled regions of kernels/compiled_layers.py")
     p.add_argument("--out", default="decode_profile.json")
     args = p.parse_args()
 
     cfg = get_config("hunyuan-image-3").replace(num_hidden_layers=args.layers)
     model = build_model_fp8(cfg, "cuda", seed=0)
-    if args.compiled:  # an experiment: the DiT's compiled layer regions in the decode step
-        plain_forward = model.forward_layers
-        model.forward_layers = lambda *a, **k: plain_forward(*a, **{**k, "compiled": True})
     bandwidth = copy_bandwidth()
     lengths = pool_lengths(args.rows, args.span)
     live = [i for i, n in enumerate(lengths) if n]
@@ -88,7 +85,7 @@ def main() -> int:
     kernels = [{"name": e.key[:120], "us_per_layer": round(e.self_device_time_total / per_layer, 2),
                 "calls_per_layer": round(e.count / per_layer, 2)} for e in events]
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
-              "compiled": args.compiled,
+              "settings": settings().describe(),
               "rows": args.rows, "live_rows": len(live), "span": span, "mean_kv": round(mean_kv, 1),
               "copy_bandwidth_TBps": round(bandwidth / 1e12, 2),
               "graph_ms_per_layer": round(graph_ms / args.layers, 4), "eager_ms_per_layer": round(eager_ms / args.layers, 4),

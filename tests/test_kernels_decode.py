@@ -346,3 +346,40 @@ def test_decoded_tokens_kv_is_written_again_by_a_prefill(prefilled, monkeypatch)
     same = all(torch.equal(mine[prompt:reused], theirs[0, :, prompt:reused].transpose(0, 1))
                for mine, theirs in zip(kv.keys + kv.values, cache.k + cache.v))
     assert same == prefilled
+
+
+@torch.no_grad()
+def test_compiled_static_step_matches_and_one_graph_serves_every_batch(engine, monkeypatch):
+    """compile=on (aot_eager: dynamo's graphs and guards, no C++ build): the static step runs its
+    layers through the compiled regions, dynamic in the batch; its logits are the eager step's at
+    batches 2, 4 and 8, and batch 8 compiles nothing new (on the CPU the per-expert loop's graph
+    breaks may still recompile once at the second batch; static graphs would compile every batch)."""
+    from torch._dynamo.utils import counters
+
+    from components.engine.kernels import compiled_layers
+    from components.engine.transformer import MoE
+
+    monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
+    monkeypatch.setattr(MoE, "impl", "loop")  # grouped GEMMs have no float32 fake kernel on the CPU
+    compiled_layers.reset()
+    previous = kernels.configure(compile="on")
+    try:
+        model, frames = engine.model, []
+        for lengths in ([5, 9], [5, 9, 3, 7], [4, 6, 8, 2, 9, 3, 5, 7]):
+            rows = batch_bucket(len(lengths))
+            cache_c, logits, valid_c, offsets = _prefill(model, lengths, 20, rows)
+            cache_e, _, valid_e, _ = _prefill(model, lengths, 20, rows)
+            compiled = StaticDecoder(model, cache_c, valid_c, offsets, 0, graphs=False)
+            eager = StaticDecoder(model, cache_e, valid_e, offsets, 0, graphs=False)
+            eager.compiled = False
+            assert compiled.compiled
+            for _ in range(3):
+                tokens = [int(t) for t in logits.argmax(-1)]
+                logits = eager.step(tokens)
+                assert (compiled.step(tokens) - logits).abs().max().item() <= 1e-5
+            frames.append(counters["frames"]["total"])
+        assert frames[0] > 0
+        assert frames[2] == frames[1]  # batch 8 ran the graphs of the batches before
+    finally:
+        kernels.configure(previous)
+        compiled_layers.reset()

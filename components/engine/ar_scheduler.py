@@ -175,6 +175,8 @@ class SchedulerStats:
     prefill_s: float = 0.0  # wall time of the prefill chunks, the device's work included
     decode_s: float = 0.0  # wall time of the decode steps (choosing tokens, finishing rows, the step)
     finish_s: float = 0.0  # of which finishing rows: the decoded tokens' K/V rewritten, the export
+    capture_steps: int = 0  # decode steps that captured a CUDA graph (and compiled) instead of replaying
+    capture_s: float = 0.0
     peak_rows: int = 0
     oom_retries: int = 0
     pool_rows: int = 0
@@ -393,10 +395,14 @@ class ARScheduler:
                 feed[seq.slot] = token
         if not feed:
             return
+        graphs = len(self.decoder.graphs)
         self._step(feed)
         _wait_for_device(self.model.device)
         dt = time.perf_counter() - t0
         self.stats.decode_s += dt
+        if len(self.decoder.graphs) > graphs:
+            self.stats.capture_steps += 1
+            self.stats.capture_s += dt
         self.stats.decode_steps += 1
         self.stats.decode_row_steps += len(feed)
         for slot in feed:

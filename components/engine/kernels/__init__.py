@@ -24,7 +24,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "decode_graphs": ("auto", "off", "on"),       # CUDA graphs for AR decode
     "decode_attention": ("auto", "sdpa", "split"),  # AR decode attention (split: each row to its length)
     "expert_gemm": ("auto", "cutlass"),           # FP8 experts with few rows: Triton (auto) or CUTLASS
-    "compile": ("auto", "off", "on"),             # torch.compile per decoder layer (DiT steps)
+    "compile": ("auto", "off", "on"),             # torch.compile of the layers (DiT steps, AR decode), VAE norms
     "batch_invariant": ("off", "on"),             # a row is bitwise independent of its batch
 }
 

@@ -1,4 +1,5 @@
-"""Regional torch.compile of the decoder layers for DiT denoising steps (kernel setting `compile=on`).
+"""Regional torch.compile of the decoder layers for DiT denoising steps and the AR's static decode
+step (kernel setting `compile=on`; `auto` on CUDA bf16).
 
 A layer runs as  [attention_inputs] -> KV-cache write + attention -> [finish]  where the two
 bracketed parts (norms, QKV projection, RoPE, QK-norm; output projection, residuals, MoE) are
@@ -39,40 +40,42 @@ BACKEND = "inductor"
 # of one per image size); False: a static graph per bucket shape
 DYNAMIC_TOKENS = False
 
-_regions: tuple[Callable, Callable] | None = None
+_regions: dict[bool, tuple[Callable, Callable]] = {}
 
 
-def regions() -> tuple[Callable, Callable]:
-    """The compiled (attention_inputs, finish) pair, made on first use."""
-    global _regions
-    if _regions is None:
+def regions(decode: bool = False) -> tuple[Callable, Callable]:
+    """The compiled (attention_inputs, finish) pair, made on first use. The AR decode step has its
+    own pair, dynamic in the batch (its rows change as rows come and go: one graph serves them all,
+    where static graphs would compile once per batch bucket)."""
+    if decode not in _regions:
         allow_recompiles(RECOMPILE_LIMIT)
-        dynamic = None if DYNAMIC_TOKENS else False  # None: the dims marked in layer_step only
-        _regions = (torch.compile(DecoderLayer.attention_inputs, backend=BACKEND, dynamic=dynamic),
-                    torch.compile(DecoderLayer.finish, backend=BACKEND, dynamic=dynamic))
-    return _regions
+        dynamic = None if DYNAMIC_TOKENS or decode else False  # None: the dims marked in layer_step only
+        _regions[decode] = (torch.compile(DecoderLayer.attention_inputs, backend=BACKEND, dynamic=dynamic),
+                            torch.compile(DecoderLayer.finish, backend=BACKEND, dynamic=dynamic))
+    return _regions[decode]
 
 
 def reset() -> None:
     """Forget the compiled graphs (tests switch backends)."""
-    global _regions
-    _regions = None
+    _regions.clear()
     torch._dynamo.reset()
 
 
 def layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask,
                cache: KVCache | None, index: int) -> torch.Tensor:
     """DecoderLayer.forward with its two compiled parts."""
-    attention_inputs, finish = regions()
-    if DYNAMIC_TOKENS:
+    decode = x.shape[1] == 1 and not DYNAMIC_TOKENS  # an AR decode step: one token per row
+    attention_inputs, finish = regions(decode)
+    if DYNAMIC_TOKENS or decode:
+        dim = 0 if decode else 1
         for t in (x, cos, sin):
-            torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(t, dim)
     q, k, v = attention_inputs(layer, x, cos, sin)
     if cache is not None:
         k, v = cache.update(index, k, v)
     out = attend(q, k, v, mask)
-    if DYNAMIC_TOKENS:
-        torch._dynamo.maybe_mark_dynamic(out, 2)
+    if DYNAMIC_TOKENS or decode:
+        torch._dynamo.maybe_mark_dynamic(out, 0 if decode else 2)
     return finish(layer, x, out)
 
 

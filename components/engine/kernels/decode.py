@@ -13,8 +13,13 @@ over a whole span of tokens, so one CUDA graph per (batch bucket, span) replays 
   the capacity) under a device validity mask: left padding, finished rows' masked pads and unused
   slots are masked, and a query always sees its own slot, as in `attention_mask`;
 - RoPE positions are the slot minus each row's left padding, computed on the device;
-- attention is SDPA with the mask, the query heads of each KV group passed as `groups` queries of
-  one head (equal head counts: a fused kernel whose replays matched the eager step bitwise).
+- attention reads each row up to its own length (kernels/decode_attention.py, a split-KV Triton
+  kernel: under continuous batching the span is the longest row's), or where that kernel does not
+  run (the CPU, `decode_attention=sdpa`) SDPA with the mask, the query heads of each KV group passed
+  as `groups` queries of one head (equal head counts: a fused kernel whose replays matched the eager
+  step bitwise);
+- the layers' norms, projections, RoPE and MoE run through the compiled regions of
+  kernels/compiled_layers.py (`compile=auto|on`), one graph dynamic in the batch.
 
 On CUDA in bf16 one graph is captured per span and replayed; elsewhere the same step runs
 eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks keep the plain path:
@@ -175,6 +180,9 @@ class StaticDecoder:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs and device.type == "cuda" else None
         self.graph_error: str | None = None
+        # the layers' compiled regions (kernels/compiled_layers.py: norms, projections, RoPE, MoE
+        # fused around the attention) where one process runs the whole model
+        self.compiled = self.stages is None and enabled("compile", model.model.wte.weight, "on")
 
     def span(self, slot: int) -> int:
         """How many cache slots the step whose highest write is at `slot` attends over."""
@@ -199,7 +207,7 @@ class StaticDecoder:
         if self.stages is not None:  # this stage's layers only (`_run_stage` hands off between stages)
             x = model.embed_ids(ids.view(n, 1)) if self.stages.pp_rank == 0 else self.stage_in[:n]
             return model.forward_layers(x, positions, mask, writer, layers=model.stage_layers)
-        return model.forward_layers(model.embed_ids(ids.view(n, 1)), positions, mask, writer)
+        return model.forward_layers(model.embed_ids(ids.view(n, 1)), positions, mask, writer, compiled=self.compiled)
 
     def set_inputs(self, tokens: list[int | None], slots: list[int] | None = None, n: int | None = None) -> int:
         """Copy one step's inputs for n rows (default: all) to the device (None: a row that feeds a
