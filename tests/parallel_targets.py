@@ -153,8 +153,16 @@ def pipeline_row(outdir: str, device: str, parallel, kv_file: str | None = None)
     recompute = engine.dit(DiTRequest(ar, [image], None, steps=2, guidance_scale=5.0, seed=1))
     with open(f"{outdir}/rank{parallel.pp_rank}_{parallel.rank}.pkl", "wb") as f:
         pickle.dump({"tokens": ar.generated_ids, "kv": ar.prompt_kv, "layers": engine.model.stage_layers,
+                     "compiled_decode": _decode_went_through_compiled_regions(),
                      "reuse": (reuse.latents, np.asarray(reuse.image), reuse.kv_path, reuse.kv_reason),
                      "recompute": (recompute.latents, np.asarray(recompute.image), recompute.kv_path)}, f)
+
+
+def _decode_went_through_compiled_regions() -> bool:
+    """Whether this process ran an AR decode step through the compiled regions (they are made on first use)."""
+    from components.engine.kernels import compiled_layers
+
+    return True in compiled_layers._regions
 
 
 def dit_killing_stage1(device: str, parallel, **kwargs) -> dict:

@@ -117,6 +117,19 @@ def test_pipeline_stages_static_decode_matches_one_process(single, tmp_path, mon
 
 
 @pytest.mark.slow
+def test_pipeline_stages_compiled_decode_matches_one_process(single, tmp_path, monkeypatch):
+    """With compile=on each stage's static decode step runs its layers through the compiled regions
+    (aot_eager here: dynamo's graphs, no C++ build), the hand-offs outside them: same tokens and K/V."""
+    monkeypatch.setenv("ARDIT_KERNELS", "decode_graphs=on,compile=on")  # the spawned ranks read them
+    monkeypatch.setenv("ARDIT_COMPILE_BACKEND", "aot_eager")
+    for (stage, _), out in _stages(tmp_path, 1, 2).items():
+        assert out["tokens"] == single["tokens"]
+        assert out["compiled_decode"]
+        for k_stage, layer in zip(out["kv"].keys, out["layers"]):
+            torch.testing.assert_close(k_stage, single["kv"].keys[layer], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_kv_moves_between_pipeline_and_one_process(single, tmp_path):
     """A TP1 AR's K/V feeds PP2 stages (each takes its layers) and reuses exactly; the PP2 stages'
     K/V, joined in layer order, feeds a TP1 DiT."""

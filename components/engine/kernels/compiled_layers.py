@@ -22,6 +22,7 @@ under tensor parallelism the compiled parts hold the all-reduces, so all ranks a
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -34,8 +35,9 @@ from .attention import allow_recompiles
 # or 2, and the prefill shapes of the step cache); dynamo's default is 8, and past the limit it runs
 # the function eagerly without a word
 RECOMPILE_LIMIT = 256
-# torch.compile backend: inductor on the GPU; tests on the CPU may use "aot_eager"
-BACKEND = "inductor"
+# torch.compile backend: inductor on the GPU; tests on the CPU may use "aot_eager" (set here, or for
+# spawned ranks through ARDIT_COMPILE_BACKEND, read at import)
+BACKEND = os.environ.get("ARDIT_COMPILE_BACKEND", "inductor")
 # True: one graph dynamic in the token count serves every bucket (one compile per process instead
 # of one per image size); False: a static graph per bucket shape
 DYNAMIC_TOKENS = False

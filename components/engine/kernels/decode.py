@@ -181,8 +181,8 @@ class StaticDecoder:
         self.pool = torch.cuda.graph_pool_handle() if graphs and device.type == "cuda" else None
         self.graph_error: str | None = None
         # the layers' compiled regions (kernels/compiled_layers.py: norms, projections, RoPE, MoE
-        # fused around the attention) where one process runs the whole model
-        self.compiled = self.stages is None and enabled("compile", model.model.wte.weight, "on")
+        # fused around the attention); under pipeline stages, of the stage's layers
+        self.compiled = enabled("compile", model.model.wte.weight, "on")
 
     def span(self, slot: int) -> int:
         """How many cache slots the step whose highest write is at `slot` attends over."""
@@ -206,7 +206,7 @@ class StaticDecoder:
         mask = DecodeMask(keep.view(n, 1, 1, span), slot + 1)
         if self.stages is not None:  # this stage's layers only (`_run_stage` hands off between stages)
             x = model.embed_ids(ids.view(n, 1)) if self.stages.pp_rank == 0 else self.stage_in[:n]
-            return model.forward_layers(x, positions, mask, writer, layers=model.stage_layers)
+            return model.forward_layers(x, positions, mask, writer, compiled=self.compiled, layers=model.stage_layers)
         return model.forward_layers(model.embed_ids(ids.view(n, 1)), positions, mask, writer, compiled=self.compiled)
 
     def set_inputs(self, tokens: list[int | None], slots: list[int] | None = None, n: int | None = None) -> int:
