@@ -79,6 +79,10 @@ IMAGES = {
 # Distributions installed separately from the requirements files (the Dockerfiles install torch
 # first from the PyTorch index that matches the image's CUDA, or the CPU index).
 INSTALLED_SEPARATELY = ("torch",)
+# Modules that come with that torch install where they are needed: CUDA builds of torch depend on
+# Triton; CPU builds do not ship it, and the engine imports it optionally (kernels/decode_attention.py,
+# kernels/fp8_grouped.py run only on CUDA).
+INSTALLED_WITH_TORCH = ("triton",)
 
 
 def _module_file(name: str) -> Path | None:
@@ -169,10 +173,13 @@ def third_party_imports(module: str) -> dict[str, set[str]]:
     """Top-level third-party modules reachable from ``module``: ``{top-level name: {importing modules}}``.
 
     "Reachable": imported by the module, its package's ``__main__``, or any first-party module they
-    import, at any depth and inside functions too (lazy backends count)."""
+    import, at any depth and inside functions too (lazy backends count). Modules that come with
+    torch (INSTALLED_WITH_TORCH) are left out."""
     tops: dict[str, set[str]] = {}
     for name, users in _scan(module).items():
-        tops.setdefault(name.split(".")[0], set()).update(users)
+        top = name.split(".")[0]
+        if top not in INSTALLED_WITH_TORCH:
+            tops.setdefault(top, set()).update(users)
     return tops
 
 
