@@ -51,7 +51,7 @@ def regions(decode: bool = False) -> tuple[Callable, Callable]:
     where static graphs would compile once per batch bucket)."""
     if decode not in _regions:
         allow_recompiles(RECOMPILE_LIMIT)
-        dynamic = None if DYNAMIC_TOKENS or decode else False  # None: the dims marked in layer_step only
+        dynamic = None if decode or DYNAMIC_TOKENS else False  # None: the dims marked in layer_step only
         _regions[decode] = (torch.compile(DecoderLayer.attention_inputs, backend=BACKEND, dynamic=dynamic),
                             torch.compile(DecoderLayer.finish, backend=BACKEND, dynamic=dynamic))
     return _regions[decode]
@@ -66,17 +66,17 @@ def reset() -> None:
 def layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask,
                cache: KVCache | None, index: int) -> torch.Tensor:
     """DecoderLayer.forward with its two compiled parts."""
-    decode = x.shape[1] == 1 and not DYNAMIC_TOKENS  # an AR decode step: one token per row
+    decode = x.shape[1] == 1  # an AR decode step: one token per row, dynamic in the rows
     attention_inputs, finish = regions(decode)
-    if DYNAMIC_TOKENS or decode:
-        dim = 0 if decode else 1
+    dynamic = decode or DYNAMIC_TOKENS
+    if dynamic:
         for t in (x, cos, sin):
-            torch._dynamo.maybe_mark_dynamic(t, dim)
+            torch._dynamo.maybe_mark_dynamic(t, 0 if decode else 1)
     q, k, v = attention_inputs(layer, x, cos, sin)
     if cache is not None:
         k, v = cache.update(index, k, v)
     out = attend(q, k, v, mask)
-    if DYNAMIC_TOKENS or decode:
+    if dynamic:
         torch._dynamo.maybe_mark_dynamic(out, 0 if decode else 2)
     return finish(layer, x, out)
 

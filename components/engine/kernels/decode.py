@@ -40,7 +40,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import enabled, is_kernel_failure, record_fallback, settings
+from . import decode_attention, enabled, is_kernel_failure, record_fallback, run_fast, settings
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SPAN_STEP = 1024  # attention span granularity: a new graph every SPAN_STEP tokens
@@ -99,8 +99,6 @@ class DecodeMask:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.kv_len is not None and enabled("decode_attention", q, "split"):
-            from . import decode_attention, run_fast
-
             if decode_attention.supported(q, k):
                 return run_fast("decode_attention", (q.shape[0], q.shape[1], k.shape[1], k.shape[2], q.dtype),
                                 lambda: decode_attention.split_kv_attention(q, k, v, self.keep, self.kv_len),
@@ -204,10 +202,11 @@ class StaticDecoder:
         writer = _SlotWriter([k[lo:lo + n] for k in self.cache.k_rows], [v[lo:lo + n] for v in self.cache.v_rows],
                              slot, span, self.cache.first_layer)
         mask = DecodeMask(keep.view(n, 1, 1, span), slot + 1)
-        if self.stages is not None:  # this stage's layers only (`_run_stage` hands off between stages)
-            x = model.embed_ids(ids.view(n, 1)) if self.stages.pp_rank == 0 else self.stage_in[:n]
-            return model.forward_layers(x, positions, mask, writer, compiled=self.compiled, layers=model.stage_layers)
-        return model.forward_layers(model.embed_ids(ids.view(n, 1)), positions, mask, writer, compiled=self.compiled)
+        # under pipeline stages this stage's layers only (`_run_stage` hands off between stages);
+        # a later stage starts from what the stage before sent
+        later_stage = self.stages is not None and self.stages.pp_rank > 0
+        x = self.stage_in[:n] if later_stage else model.embed_ids(ids.view(n, 1))
+        return model.forward_layers(x, positions, mask, writer, compiled=self.compiled, layers=model.stage_layers)
 
     def set_inputs(self, tokens: list[int | None], slots: list[int] | None = None, n: int | None = None) -> int:
         """Copy one step's inputs for n rows (default: all) to the device (None: a row that feeds a
