@@ -158,6 +158,39 @@ def pipeline_row(outdir: str, device: str, parallel, kv_file: str | None = None)
                      "recompute": (recompute.latents, np.asarray(recompute.image), recompute.kv_path)}, f)
 
 
+def scheduler_rows() -> list:
+    """tests/test_ar_scheduler's six think_recaption rows (edit and T2I), and two whose first token
+    comes from their prefill's logits: a text answer and a ratio-only row."""
+    from components.engine.ar import ARRequest
+    from tests.test_ar_scheduler import _requests
+
+    return _requests(6) + [ARRequest("answer", "what is a fox?", [], bot_task="auto", seed=3),
+                           ARRequest("ratio", "a tall tower", [], bot_task="image", seed=4)]
+
+
+def pipeline_scheduler(outdir: str, device: str, parallel) -> None:
+    """The continuous-batching AR scheduler on a pipeline-parallel rank: `scheduler_rows` (forced CoT
+    lengths, greedy) with 4 rows in flight; writes each row's tokens and this stage's K/V, and the
+    scheduler's statistics."""
+    import pickle
+
+    from components.engine import Engine
+    from components.engine.ar import ForcedCot
+    from components.engine.ar_scheduler import Admission
+    from tests.test_ar_scheduler import CHUNK, FORCED, GREEDY
+
+    engine = Engine.load("tiny", seed=0, device=device, tensor_parallel_size=parallel.world_size,
+                         pipeline_parallel_size=parallel.pp_size, parallel=parallel)
+    engine.ar.forced_cot = ForcedCot(FORCED)
+    results: dict = {}
+    stats = engine.ar.stream(scheduler_rows(), lambda req, out: results.__setitem__(req.id, out), GREEDY,
+                             admission=Admission(max_rows=4, max_num_batched_tokens=CHUNK))
+    with open(f"{outdir}/rank{parallel.pp_rank}_{parallel.rank}.pkl", "wb") as f:
+        pickle.dump({"tokens": {i: o.generated_ids for i, o in results.items()},
+                     "kv": {i: o.prompt_kv for i, o in results.items()}, "layers": engine.model.stage_layers,
+                     "stats": stats}, f)
+
+
 def _decode_went_through_compiled_regions() -> bool:
     """Whether this process ran an AR decode step through the compiled regions (they are made on first use)."""
     from components.engine.kernels import compiled_layers

@@ -166,3 +166,40 @@ def test_the_wavefront_over_rows_equals_row_by_row(tmp_path):
         rows = out["alone"]  # negative control: the rows differ (in shape or values) from each other
         assert len({tuple(r.shape) for r in rows}) > 1
         assert all(x.shape != y.shape or (x - y).abs().max() > 0.1 for i, x in enumerate(rows) for y in rows[i + 1:])
+
+
+@pytest.mark.slow
+def test_the_ar_scheduler_keeps_a_row_group_in_each_stage(tmp_path):
+    """Under 2 stages the scheduler decodes two row groups in turn, each stage working on one
+    group's step while the other stage works on the other's: rows joining and leaving (forced CoT
+    lengths, 4 of 8 rows in flight; two rows take their first token from their prefill's logits)
+    get the one-process scheduler's tokens, and each stage's exported K/V are its layers of the
+    one-process K/V."""
+    from components.engine.ar import ForcedCot
+    from components.engine.ar_scheduler import Admission
+
+    from .parallel_targets import scheduler_rows
+    from .test_ar_scheduler import CHUNK, FORCED, GREEDY
+
+    engine = Engine.load("tiny", seed=0)
+    engine.ar.forced_cot = ForcedCot(FORCED)
+    single: dict = {}
+    engine.ar.stream(scheduler_rows(), lambda req, out: single.__setitem__(req.id, out), GREEDY,
+                     admission=Admission(max_rows=4, max_num_batched_tokens=CHUNK))
+    run_on_ranks("tests.parallel_targets:pipeline_scheduler", {"outdir": str(tmp_path)}, world_size=1, device="cpu",
+                 pipeline_parallel_size=2)
+    for stage in range(2):
+        out = pickle.load(open(tmp_path / f"rank{stage}_0.pkl", "rb"))
+        stats = out["stats"]
+        assert stats["rows"] == 8 and stats["row_groups"] == 2 and stats["peak_steps_in_flight"] == 2, stats
+        assert len({len(t) for t in out["tokens"].values()}) >= 3  # rows leave at different steps
+        for row_id, one in single.items():
+            assert out["tokens"][row_id] == one.generated_ids, (stage, row_id)
+            kv, ref = out["kv"][row_id], one.prompt_kv
+            if ref is None:  # the text answer: no image, no K/V
+                assert kv is None and row_id == "answer"
+                continue
+            assert kv.num_layers == len(out["layers"])
+            for i, layer in enumerate(out["layers"]):
+                torch.testing.assert_close(kv.keys[i], ref.keys[layer], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(kv.values[i], ref.values[layer], rtol=1e-5, atol=1e-5)

@@ -178,6 +178,8 @@ class SchedulerStats:
     capture_steps: int = 0  # decode steps that captured a CUDA graph (and compiled) instead of replaying
     capture_s: float = 0.0
     peak_rows: int = 0
+    row_groups: int = 1  # groups that decode in turn (one per pipeline stage)
+    peak_steps_in_flight: int = 0  # decode steps of different groups in the stages at once
     oom_retries: int = 0
     pool_rows: int = 0
     pool_capacity: int = 0
@@ -212,6 +214,12 @@ class ARScheduler:
         self.pool: KVCache | None = None
         self.decoder: StaticDecoder | None = None
         self.logits: torch.Tensor | None = None
+        # row groups [lo, hi) of the pool that decode in turn: under pipeline stages one per stage,
+        # so each stage works on one group's step while the next stage works on another's
+        self.group_count = 1 if self.model.pipeline is None or kernels.settings().batch_invariant == "on" \
+            else self.model.pipeline.pp_size
+        self.groups: list[tuple[int, int]] = []
+        self.steps_in_flight: dict[int, tuple[Any, list[int]]] = {}  # group lo -> (its step, rows fed)
         self.sampler = DeviceSampler(sampling, ar.tok.ratio_choice_ids, [], ar.banned_ids())
         self.stats = SchedulerStats(kv_budget_bytes=self.kv_budget)
 
@@ -285,7 +293,7 @@ class ARScheduler:
                 if self.slots:
                     return  # a longer row: the pool grows once the rows in flight have left
                 self._allocate(capacity)
-            free = next((i for i in range(self.stats.pool_rows) if i not in self.slots), None)
+            free = self._free_slot()
             if free is None:
                 return
             self.waiting.popleft()
@@ -318,6 +326,18 @@ class ARScheduler:
                                      self.ar.tok.pad, self.graphs)
         self.logits = torch.zeros(rows, self.model.config.vocab_size, device=self.model.device)
         self.stats.pool_rows, self.stats.pool_capacity = rows, capacity
+        bounds = [g * rows // self.group_count for g in range(self.group_count + 1)]
+        self.groups = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        self.stats.row_groups = len(self.groups)
+
+    def _free_slot(self) -> int | None:
+        """The lowest free slot of the row group with the fewest rows (so the groups stay even)."""
+        best = None
+        for lo, hi in self.groups:
+            free = [i for i in range(lo, hi) if i not in self.slots]
+            if free and (best is None or hi - lo - len(free) < best[0]):
+                best = (hi - lo - len(free), free[0])
+        return None if best is None else best[1]
 
     def _place(self, seq: _Seq, slot: int) -> None:
         seq.slot, seq.length = slot, 0
@@ -374,21 +394,29 @@ class ARScheduler:
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self) -> None:
-        """Choose the next token of every running row; finished rows leave; one decode step feeds the rest."""
-        if not self.running:
-            return
+        """Each row group in turn: its step in flight lands, its rows choose their next tokens,
+        finished rows leave, and one decode step starts for the rest. Without pipeline stages
+        there is one group and its step lands at once."""
+        for lo, hi in self.groups:
+            self._decode_group(lo, hi)
+
+    def _decode_group(self, lo: int, hi: int) -> None:
         t0 = time.perf_counter()
+        self._land(lo)
+        rows = [s for s in self.running if lo <= s.slot < hi]
+        if not rows:
+            return
         ar, sampling = self.ar, self.sampling
-        hows = {s.slot: (None if s.row.done else ar._how(s.row, sampling)) for s in self.running}
+        hows = {s.slot: (None if s.row.done else ar._how(s.row, sampling)) for s in rows}
         top = max(hows) + 1
-        picked: list = [None] * top
+        picked: dict[int, Any] = {}
         if any(h in ("ratio", "sample") for h in hows.values()):
-            sample_rows = [hows.get(i) == "sample" for i in range(top)]
-            gens = [self.slots[i].generator if sample_rows[i] else None for i in range(top)]
-            picked = self.sampler(self.logits[:top], sample_rows, gens)
+            sample_rows = [hows.get(i) == "sample" for i in range(lo, top)]
+            gens = [self.slots[i].generator if sample_rows[i - lo] else None for i in range(lo, top)]
+            picked = dict(zip(range(lo, top), self.sampler(self.logits[lo:top], sample_rows, gens)))
         feed: dict[int, int] = {}
-        for seq in list(self.running):
-            token = ar._next_token(seq.row, None, sampling, picked[seq.slot], hows[seq.slot])
+        for seq in rows:
+            token = ar._next_token(seq.row, None, sampling, picked.get(seq.slot), hows[seq.slot])
             if token is None:
                 self._finish(seq)
             else:
@@ -396,8 +424,10 @@ class ARScheduler:
         if not feed:
             return
         graphs = len(self.decoder.graphs)
-        self._step(feed)
-        _wait_for_device(self.model.device)
+        self._step(feed, lo, hi)
+        if len(self.groups) == 1:  # one group: its step lands now (with stages, next turn)
+            self._land(lo)
+            _wait_for_device(self.model.device)
         dt = time.perf_counter() - t0
         self.stats.decode_s += dt
         if len(self.decoder.graphs) > graphs:
@@ -407,22 +437,36 @@ class ARScheduler:
         self.stats.decode_row_steps += len(feed)
         for slot in feed:
             seq = self.slots[slot]
-            seq.length += 1
             seq.steps += 1
             seq.batch_sum += len(feed)
             seq.decode_s += dt / len(feed)
 
-    def _step(self, feed: dict[int, int]) -> None:
-        """One decode step: each fed row writes its token's K/V at its next slot."""
+    def _step(self, feed: dict[int, int], lo: int, hi: int) -> None:
+        """Start one decode step of the group of rows [lo, hi): each fed row writes its token's K/V
+        at its next slot; the logits land with `_land`."""
         if kernels.settings().batch_invariant == "on":  # every row alone: its numbers see no other row
             for slot, token in feed.items():
                 self.logits[slot] = self.decoder.step([token], [self.slots[slot].length], lo=slot)[0]
+                self.slots[slot].length += 1
             return
-        top = max(self.slots) + 1
-        tokens = [feed.get(i) for i in range(top)]
+        top = max(s for s in self.slots if s < hi) + 1
+        tokens = [feed.get(i) for i in range(lo, top)]
         # rows that feed nothing write a masked pad where their next prefill chunk writes anyway
-        slots = [self.slots[i].length if i in self.slots else 0 for i in range(top)]
-        self.logits[:top] = self.decoder.step(tokens, slots)
+        slots = [self.slots[i].length if i in self.slots else 0 for i in range(lo, top)]
+        self.steps_in_flight[lo] = (self.decoder.start(tokens, slots, lo, hi), list(feed))
+        self.stats.peak_steps_in_flight = max(self.stats.peak_steps_in_flight, len(self.steps_in_flight))
+        for slot in feed:
+            self.slots[slot].length += 1
+
+    def _land(self, lo: int) -> None:
+        """The logits of the fed rows of group `lo`'s step in flight (the other rows' logits stay:
+        a row whose prefill just ended has its own)."""
+        if lo not in self.steps_in_flight:
+            return
+        step, fed = self.steps_in_flight.pop(lo)
+        logits = self.decoder.land(step)
+        index = torch.tensor(fed, device=logits.device)
+        self.logits[index] = logits[index - lo]
 
     # -- leaving ----------------------------------------------------------------------------------
     def _finish(self, seq: _Seq) -> None:
@@ -516,6 +560,7 @@ class ARScheduler:
     def _release(self) -> None:
         """Free the pool, the decode graphs and the allocator's cached blocks."""
         self.pool = self.decoder = self.logits = None
+        self.steps_in_flight.clear()
         gc.collect()
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -105,15 +105,29 @@ class ParallelContext:
         dist.send(tensor, self.stage_rank(stage), group=self.pp_group)
 
     @_collective
-    def recv_any_stage(self, stage: int) -> torch.Tensor:
-        """What `send_stage` on `stage` sent."""
+    def recv_any_stage(self, stage: int, back: bool = False) -> torch.Tensor:
+        """What `send_stage` (or `isend_any_stage`) on `stage` sent."""
         import torch.distributed as dist
 
+        group = self.pp_return_group if back else self.pp_group
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(header, self.stage_rank(stage), group=self.pp_group)
+        dist.recv(header, self.stage_rank(stage), group=group)
         tensor = _empty_from_header(header, self.device)
-        dist.recv(tensor, self.stage_rank(stage), group=self.pp_group)
+        dist.recv(tensor, self.stage_rank(stage), group=group)
         return tensor
+
+    @_collective
+    def isend_any_stage(self, tensor: torch.Tensor, stage: int, back: bool = False) -> "Sending":
+        """`send_stage` without waiting (`back`: on the way-back communicator, from the last stage):
+        the header and the tensor go out in the background; wait on the returned Sending (it keeps
+        them alive until then). The receiver calls `recv_any_stage(.., back)`."""
+        import torch.distributed as dist
+
+        group = self.pp_return_group if back else self.pp_group
+        tensor = tensor.contiguous()
+        header = _wire_header(tensor)
+        works = [dist.isend(t, self.stage_rank(stage), group=group) for t in (header, tensor)]
+        return Sending(works, (header, tensor))
 
     @_collective
     def isend_stage(self, tensor: torch.Tensor, stage: int, back: bool = False):
@@ -140,9 +154,10 @@ class ParallelContext:
             dist.recv(t, self.stage_rank(self.pp_rank - 1), group=self.pp_group)
         if not self.is_last_stage:
             dist.send(t, self.stage_rank(self.pp_rank + 1), group=self.pp_group)
-        if self.is_last_stage:  # the way back: last -> 0
-            dist.send(t, self.stage_rank(0), group=self.pp_return_group)
-        elif self.pp_rank == 0:
+        if self.is_last_stage:  # the way back: last -> every other stage (the AR wavefront's tokens)
+            for stage in range(self.pp_size - 1):
+                dist.send(t, self.stage_rank(stage), group=self.pp_return_group)
+        else:
             dist.recv(t, self.stage_rank(self.pp_size - 1), group=self.pp_return_group)
 
     @_collective
@@ -227,6 +242,18 @@ class ParallelContext:
 # What goes ahead of a tensor between pipeline stages: [dtype code, ndim, size_0 .. size_5].
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
                 torch.uint8, torch.bool)
+@dataclass
+class Sending:
+    """Sends in flight (`isend_any_stage`) and the tensors they read."""
+
+    works: list
+    tensors: tuple
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 _HEADER_LEN = 8
 
 

@@ -25,7 +25,7 @@ On CUDA in bf16 one graph is captured per span and replayed; elsewhere the same 
 eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks keep the plain path:
 a graph would hold the NCCL all-reduces of every layer. Pipeline stages (without TP, and with
 `decode_graphs=on`: see `decode_mode`) graph their own layers only: the hand-offs between stages
-stay outside the graph (`StaticDecoder._run_stage`), so each stage decides alone whether its graph
+stay outside the graph (`StaticDecoder._start_stage`), so each stage decides alone whether its graph
 captured. The graphs belong to one `StaticDecoder`, i.e. to one AR batch: they hold the addresses
 of its KV cache and are captured again for the next.
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +142,17 @@ def _capture_autocast():
     return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
+@dataclass
+class _InFlight:
+    """A decode step `StaticDecoder.start` began: its logits, or under pipeline stages what this
+    stage still sends and (on the last stage) the rows' last hidden states."""
+
+    rows: int
+    logits: torch.Tensor | None = None
+    last: torch.Tensor | None = None
+    sends: list = field(default_factory=list)
+
+
 class StaticDecoder:
     """Decode steps at static shapes over a KV cache's rows (see the module docstring).
 
@@ -172,7 +184,9 @@ class StaticDecoder:
         self.slots = torch.arange(self.capacity, device=device)
         # per step: token ids [n], live flags [n], each row's cache slot [n]
         self.inputs = torch.zeros(3 * n, dtype=torch.long, device=device)
-        self._host = torch.zeros(3 * n, dtype=torch.long, pin_memory=device.type == "cuda")
+        # the host side of that copy, one per first row: under pipeline stages the scheduler starts
+        # the next row group's step before the last one's copy has run (`start`)
+        self._host: dict[int, torch.Tensor] = {}
         self.stages = model.pipeline  # under pipeline stages, run() hands hidden states between them
         self.stage_in: torch.Tensor | None = None  # a later stage's static input (what the stage before sent)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -202,13 +216,14 @@ class StaticDecoder:
         writer = _SlotWriter([k[lo:lo + n] for k in self.cache.k_rows], [v[lo:lo + n] for v in self.cache.v_rows],
                              slot, span, self.cache.first_layer)
         mask = DecodeMask(keep.view(n, 1, 1, span), slot + 1)
-        # under pipeline stages this stage's layers only (`_run_stage` hands off between stages);
+        # under pipeline stages this stage's layers only (`_start_stage` hands off between stages);
         # a later stage starts from what the stage before sent
         later_stage = self.stages is not None and self.stages.pp_rank > 0
         x = self.stage_in[:n] if later_stage else model.embed_ids(ids.view(n, 1))
         return model.forward_layers(x, positions, mask, writer, compiled=self.compiled, layers=model.stage_layers)
 
-    def set_inputs(self, tokens: list[int | None], slots: list[int] | None = None, n: int | None = None) -> int:
+    def set_inputs(self, tokens: list[int | None], slots: list[int] | None = None, n: int | None = None,
+                   lo: int = 0) -> int:
         """Copy one step's inputs for n rows (default: all) to the device (None: a row that feeds a
         masked pad); each row writes at its slot (default: the cache's length). The highest slot."""
         n = self.rows if n is None else n
@@ -218,8 +233,12 @@ class StaticDecoder:
         pad = n - len(tokens)
         ids = [self.pad_id if t is None else t for t in tokens] + [self.pad_id] * pad
         live = [int(t is not None) for t in tokens] + [0] * pad
-        self._host[:3 * n].copy_(torch.tensor(ids + live + list(slots), dtype=torch.long))
-        self.inputs[:3 * n].copy_(self._host[:3 * n], non_blocking=True)
+        host = self._host.get(lo)
+        if host is None:
+            host = self._host[lo] = torch.zeros(3 * self.rows, dtype=torch.long,
+                                                pin_memory=self.inputs.device.type == "cuda")
+        host[:3 * n].copy_(torch.tensor(ids + live + list(slots), dtype=torch.long))
+        self.inputs[:3 * n].copy_(host[:3 * n], non_blocking=True)
         return max(slots)
 
     def step(self, tokens: list[int | None], slots: list[int] | None = None, lo: int = 0) -> torch.Tensor:
@@ -227,35 +246,57 @@ class StaticDecoder:
         vocab]. Without `slots` every row writes at the cache's length, which then advances by one
         (as `KVCache.commit` after a plain step). With graphs, the logits are a static buffer that
         the next step overwrites."""
-        n = min(batch_bucket(len(tokens)), self.rows - lo)
+        return self.land(self.start(tokens, slots, lo))
+
+    def start(self, tokens: list[int | None], slots: list[int] | None = None, lo: int = 0,
+              hi: int | None = None) -> "_InFlight":
+        """`step` up to the logits, which `land` then gives: under pipeline stages this stage's
+        part is queued and its output sent on without waiting, so the scheduler can start another
+        row group's step (rows [lo, hi), default up to the last row) while this one is in later
+        stages. The padded batch stays inside [lo, hi)."""
+        n = min(batch_bucket(len(tokens)), (self.rows if hi is None else hi) - lo)
         if slots is None:
             padded = [self.cache.length] * n
         else:
             padded = list(slots) + [0] * (n - len(slots))  # spare rows are free: their slot 0 is written later
-        top = self.set_inputs(tokens, padded, n)
-        logits = self.run(self.span(top), lo, n)
+        top = self.set_inputs(tokens, padded, n, lo)
+        span = self.span(top)
         if slots is None:
             self.cache.length = top + 1
-        return logits[:len(tokens)]
+        if self.stages is None:
+            return _InFlight(len(tokens), logits=self.run(span, lo, n))
+        return self._start_stage(span, lo, n, len(tokens))
 
     def run(self, span: int, lo: int = 0, n: int | None = None) -> torch.Tensor:
+        """The static step on the current `inputs` in one process: the logits, replayed from its graph."""
         n = self.rows if n is None else n
-        if self.stages is not None:
-            return self._run_stage(span, lo, n)
         return self._graphed((lo, n, span), lambda: self.forward(span, lo, n))
 
-    def _run_stage(self, span: int, lo: int, n: int) -> torch.Tensor:
-        """The step under pipeline stages: this stage's layers (its own graph) between the model's
-        hand-offs; a later stage first copies what the stage before sent into its static input.
-        Every stage makes the logits from the last stage's output."""
-        def stage(got: torch.Tensor | None) -> torch.Tensor:
-            if got is not None:
-                if self.stage_in is None:  # the dtype the stage before sends (its output may be wider)
-                    self.stage_in = torch.empty((self.rows, *got.shape[1:]), dtype=got.dtype, device=got.device)
-                self.stage_in[:n].copy_(got)
-            return self._graphed((lo, n, span), lambda: self.layers(span, lo, n))
+    def land(self, step: "_InFlight") -> torch.Tensor:
+        """The logits [rows fed, vocab] of a step `start` began."""
+        if step.logits is None:
+            pp = self.stages
+            last = step.last if pp.is_last_stage else pp.recv_any_stage(pp.pp_size - 1, back=True)
+            pp.wait_all(step.sends)
+            step.logits = self.model.text_logits(last)
+        return step.logits[:step.rows]
 
-        return self.model.text_logits(self.model.across_stages(None, stage)[:, -1])
+    def _start_stage(self, span: int, lo: int, n: int, rows: int) -> "_InFlight":
+        """This stage's layers of the step (its own graph), between the hand-offs: a later stage
+        first copies what the stage before sent into its static input; all but the last send their
+        output on, the last sends the rows' last hidden states back to every stage (on the way-back
+        communicator), so every stage makes the same logits and takes the same decisions."""
+        pp = self.stages
+        if pp.pp_rank > 0:
+            got = pp.recv_any_stage(pp.pp_rank - 1)
+            if self.stage_in is None:  # the dtype the stage before sends (its output may be wider)
+                self.stage_in = torch.empty((self.rows, *got.shape[1:]), dtype=got.dtype, device=got.device)
+            self.stage_in[:n].copy_(got)
+        hidden = self._graphed((lo, n, span), lambda: self.layers(span, lo, n))
+        if not pp.is_last_stage:
+            return _InFlight(rows, sends=[pp.isend_any_stage(hidden, pp.pp_rank + 1)])
+        last = hidden[:, -1].contiguous()
+        return _InFlight(rows, last=last, sends=[pp.isend_any_stage(last, s, back=True) for s in range(pp.pp_size - 1)])
 
     def _graphed(self, key: tuple, fn) -> torch.Tensor:
         """fn() (an idempotent static step) replayed from its CUDA graph, captured on first use; or
