@@ -25,6 +25,13 @@ rows.
 - Out of memory: the failed attempt's pool, graphs and in-flight rows are dropped, the allocator's
   cache emptied, the row cap halved, and the in-flight rows start again (their seeds give the same
   tokens). A row fails only when it does not fit alone, with its size and what would fit.
+- Under pipeline stages every stage runs this loop and takes the same decisions. The pool's rows
+  form one group per stage (`ROW_GROUPS_PER_STAGE`) that decode in turn: a group's step starts
+  through the stages without waiting (`StaticDecoder.start`), and its logits land on the group's
+  next turn, so stage 0 works on group B while stage 1 works on group A. Prompt chunks and the
+  finished rows' K/V rewrites go through the stages without waiting too (a stage needs only its
+  own layers' K/V of a row's earlier chunks); a prompt's last hidden state comes back from the last
+  stage like a step's. Every stage lands what comes back in the order it started (`landing`).
 """
 
 from __future__ import annotations
@@ -45,6 +52,11 @@ from .transformer import KVCache, SlotMask
 CPU_ROWS = 8  # rows in flight on the CPU with --batch-size auto (no memory probe there)
 DEFAULT_BATCHED_TOKENS = 2048  # prefill chunk (--max-num-batched-tokens)
 CLOSING_MARGIN = 16  # forced closing tokens may exceed a tiny budget (as ARGenerator._prefill)
+# Under pipeline stages the pool's rows decode in groups, in turn, each group's step going through
+# the stages while the other groups' steps do; one group a stage keeps every stage busy. Fewer (0.5
+# at 2 stages: one group, each step through stage 0, then stage 1) is the schedule before row groups
+# (benchmarks/ar_row_groups_cpu.py compares them); more leaves slack for the way back, smaller steps.
+ROW_GROUPS_PER_STAGE = 1.0
 
 
 # tests: called before every scheduler step with the scheduler; may raise torch.OutOfMemoryError
@@ -217,9 +229,13 @@ class ARScheduler:
         # row groups [lo, hi) of the pool that decode in turn: under pipeline stages one per stage,
         # so each stage works on one group's step while the next stage works on another's
         self.group_count = 1 if self.model.pipeline is None or kernels.settings().batch_invariant == "on" \
-            else self.model.pipeline.pp_size
+            else max(1, round(ROW_GROUPS_PER_STAGE * self.model.pipeline.pp_size))
         self.groups: list[tuple[int, int]] = []
-        self.steps_in_flight: dict[int, tuple[Any, list[int]]] = {}  # group lo -> (its step, rows fed)
+        # under pipeline stages, forwards whose results come back from the last stage, in the order
+        # they started (every stage lands them in that order): ("step", group lo, (step, rows fed))
+        # or ("prompt", seq, StageWork) for a row whose last prefill chunk is in the stages
+        self.landing: deque[tuple[str, Any, Any]] = deque()
+        self.sending: list = []  # hand-offs of forwards nothing waits for (prefill chunks, rewrites)
         self.sampler = DeviceSampler(sampling, ar.tok.ratio_choice_ids, [], ar.banned_ids())
         self.stats = SchedulerStats(kv_budget_bytes=self.kv_budget)
 
@@ -228,7 +244,7 @@ class ARScheduler:
         """Every request's AROutput, or the exception that failed it, to on_result(request, result)."""
         self.on_result = on_result
         self.waiting.extend(_Seq(r, i) for i, r in enumerate(requests))
-        while self.waiting or self.prefilling or self.running:
+        while self.waiting or self.prefilling or self.running or self.landing:
             try:
                 if fault_hook is not None:
                     fault_hook(self)
@@ -239,6 +255,8 @@ class ARScheduler:
                 if isinstance(e, RankLost) or self._ranks_apart():
                     raise
                 self._recover(e)
+        if self.sending:
+            self.model.pipeline.wait_all(self.sending)
         self._release()
         return self.stats.as_dict()
 
@@ -257,6 +275,11 @@ class ARScheduler:
         self._admit()
         self._prefill_next()
         self._decode()
+
+    @property
+    def wavefront(self) -> bool:
+        """Whether forwards go through the pipeline stages without waiting (row groups in turn)."""
+        return self.group_count > 1
 
     @property
     def in_flight(self) -> list[_Seq]:
@@ -348,27 +371,39 @@ class ARScheduler:
 
     # -- prefill ----------------------------------------------------------------------------------
     def _prefill_next(self) -> None:
-        """One chunk of the oldest prefilling row; a row whose prompt is complete starts decoding."""
+        """One chunk of the oldest prefilling row; a row whose prompt is complete starts decoding
+        (under pipeline stages once its last chunk's result has come back: `_land`)."""
         if not self.prefilling:
             return
         seq = self.prefilling[0]
         t0 = time.perf_counter()
         end = self._chunk_end(seq, seq.length, self.admission.max_num_batched_tokens)
         ids = seq.row.seq.cond_ids
-        x = embed_span(self.model, ids, seq.row.seq, seq.length, end, seq.row.cond).unsqueeze(0)
-        hidden = self._forward_row(seq, x, seq.positions[seq.length:end], seq.blocks[:end])
+        x = None
+        if self.model.pipeline is None or self.model.pipeline.pp_rank == 0:  # later stages receive theirs
+            x = embed_span(self.model, ids, seq.row.seq, seq.length, end, seq.row.cond).unsqueeze(0)
+        complete = end == len(ids)
+        last = self._forward_row(seq, x, seq.positions[seq.length:end], seq.blocks[:end], back=complete)
         self.decoder.valid[seq.slot, seq.length:end] = True
         self.stats.prefill_chunks += 1
         self.stats.prefill_tokens += end - seq.length
         seq.length = end
-        if end == len(ids):
-            self.logits[seq.slot] = self.model.text_logits(hidden[:, -1])[0]
+        if complete:
             self.prefilling.pop(0)
-            self.running.append(seq)
-        _wait_for_device(self.model.device)  # so the chunk's time is its own, not the next decode step's
+            if self.wavefront:
+                self.landing.append(("prompt", seq, last))
+            else:
+                self._prompt_done(seq, last)
+        if not self.wavefront:
+            _wait_for_device(self.model.device)  # so the chunk's time is its own, not the next decode step's
         dt = time.perf_counter() - t0
         seq.prefill_s += dt
         self.stats.prefill_s += dt
+
+    def _prompt_done(self, seq: _Seq, last: torch.Tensor) -> None:
+        """The row's first logits from its prompt's last hidden state [1, hidden]: it decodes from now."""
+        self.logits[seq.slot] = self.model.text_logits(last)[0]
+        self.running.append(seq)
 
     @staticmethod
     def _chunk_end(seq: _Seq, start: int, limit: int) -> int:
@@ -381,16 +416,29 @@ class ARScheduler:
             end += 1
         return end
 
-    def _forward_row(self, seq: _Seq, x: torch.Tensor, positions: torch.Tensor, k_blocks: torch.Tensor):
-        """Tokens [start, end) of one row (x [1, T, H]) through the layers over its cached prefix;
-        writes their K/V into its slot. The last hidden states [1, T, H]."""
+    def _forward_row(self, seq: _Seq, x: torch.Tensor | None, positions: torch.Tensor, k_blocks: torch.Tensor,
+                     back: bool = True):
+        """Tokens [start, end) of one row (x [1, T, H]; None on a later pipeline stage) through the
+        layers over its cached prefix; writes their K/V into its slot. The last token's hidden
+        state [1, hidden]; under pipeline stages (the wavefront), the StageWork that lands it (with
+        `back`), the forward going on in the later stages meanwhile. A stage needs only its own
+        layers' K/V of the earlier chunks, so a row's chunks follow each other without waiting."""
         start = seq.length
-        end = start + x.shape[1]
+        end = start + len(positions)
         slots = torch.arange(end)
         mask = SlotMask(slots[start:].unsqueeze(0), slots.unsqueeze(0), k_blocks[start:end].unsqueeze(0),
                         k_blocks.unsqueeze(0)).to(self.model.device)
-        return self.model.forward_layers(x, positions.unsqueeze(0).to(self.model.device), mask,
-                                         _RowWriter(self.pool, seq.slot, start))
+        positions = positions.unsqueeze(0).to(self.model.device)
+        writer = _RowWriter(self.pool, seq.slot, start)
+        model = self.model
+        if not self.wavefront:
+            return model.forward_layers(x, positions, mask, writer)[:, -1]
+        work = model.start_across_stages(
+            x, lambda h: model.forward_layers(h, positions, mask, writer, layers=model.stage_layers), back)
+        if not back:
+            self.sending = [w for w in self.sending if not all(part.is_completed() for part in w.works)]
+            self.sending.extend(work.sends)
+        return work
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self) -> None:
@@ -453,20 +501,30 @@ class ARScheduler:
         tokens = [feed.get(i) for i in range(lo, top)]
         # rows that feed nothing write a masked pad where their next prefill chunk writes anyway
         slots = [self.slots[i].length if i in self.slots else 0 for i in range(lo, top)]
-        self.steps_in_flight[lo] = (self.decoder.start(tokens, slots, lo, hi), list(feed))
-        self.stats.peak_steps_in_flight = max(self.stats.peak_steps_in_flight, len(self.steps_in_flight))
+        self.landing.append(("step", lo, (self.decoder.start(tokens, slots, lo, hi), list(feed))))
+        steps = sum(kind == "step" for kind, _, _ in self.landing)
+        self.stats.peak_steps_in_flight = max(self.stats.peak_steps_in_flight, steps)
         for slot in feed:
             self.slots[slot].length += 1
 
     def _land(self, lo: int) -> None:
-        """The logits of the fed rows of group `lo`'s step in flight (the other rows' logits stay:
-        a row whose prefill just ended has its own)."""
-        if lo not in self.steps_in_flight:
+        """What has come back for group `lo`, in the order it started: every prompt that completed
+        before its step in flight, then that step (the logits of its fed rows; the other rows keep
+        theirs: a row whose prefill just ended has its own). Without a step of the group in flight,
+        the prompts at the front. Another group's step stops it (it lands on that group's turn)."""
+        while self.landing:
+            kind, key, work = self.landing[0]
+            if kind == "step" and key != lo:
+                return
+            self.landing.popleft()
+            if kind == "prompt":
+                self._prompt_done(key, self.model.land_across_stages(work))
+                continue
+            step, fed = work
+            logits = self.decoder.land(step)
+            index = torch.tensor(fed, device=logits.device)
+            self.logits[index] = logits[index - lo]
             return
-        step, fed = self.steps_in_flight.pop(lo)
-        logits = self.decoder.land(step)
-        index = torch.tensor(fed, device=logits.device)
-        self.logits[index] = logits[index - lo]
 
     # -- leaving ----------------------------------------------------------------------------------
     def _finish(self, seq: _Seq) -> None:
@@ -496,7 +554,7 @@ class ARScheduler:
         ids = torch.tensor([fed], dtype=torch.long, device=self.model.device)
         positions = torch.arange(start, start + n, dtype=torch.float64).unsqueeze(1).expand(n, 2)
         blocks = torch.full((start + n,), -1, dtype=torch.long)
-        self._forward_row(seq, self.model.embed_ids(ids), positions, blocks)
+        self._forward_row(seq, self.model.embed_ids(ids), positions, blocks, back=False)
         seq.length = start + n
 
     def _leave(self, seq: _Seq) -> None:
@@ -560,7 +618,7 @@ class ARScheduler:
     def _release(self) -> None:
         """Free the pool, the decode graphs and the allocator's cached blocks."""
         self.pool = self.decoder = self.logits = None
-        self.steps_in_flight.clear()
+        self.landing.clear()
         gc.collect()
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()

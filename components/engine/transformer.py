@@ -576,6 +576,41 @@ class HunyuanImage3ForCausalMM(nn.Module):
             pp.send_stage(x, pp.pp_rank + 1)
         return pp.broadcast_from_last_stage(x)
 
+    def start_across_stages(self, x: torch.Tensor | None, run_stage, back: bool = True) -> StageWork:
+        """`across_stages` without waiting for the later stages: this stage runs `run_stage` (on
+        what the stage before sent) and sends its output on in the background; the last stage
+        sends its rows' last hidden states [B, hidden] back to every stage (`back`), which
+        `land_across_stages` then gives. So a stage can start other work (another row group's
+        step) while this one is in the later stages. Every stage must land in the order it started."""
+        pp = self.pipeline
+        if pp.pp_rank > 0:
+            x = pp.recv_any_stage(pp.pp_rank - 1)
+        x = run_stage(x)
+        if not pp.is_last_stage:
+            return StageWork([pp.isend_any_stage(x, pp.pp_rank + 1)], back=back)
+        last = x[:, -1].contiguous()
+        sends = [pp.isend_any_stage(last, s, back=True) for s in range(pp.pp_size - 1)] if back else []
+        return StageWork(sends, last, back)
+
+    def land_across_stages(self, work: StageWork) -> torch.Tensor | None:
+        """The last hidden states [B, hidden] of a forward `start_across_stages` began (with `back`)."""
+        pp = self.pipeline
+        last = work.last
+        if work.back and not pp.is_last_stage:
+            last = pp.recv_any_stage(pp.pp_size - 1, back=True)
+        pp.wait_all(work.sends)
+        return last
+
+
+@dataclass
+class StageWork:
+    """A forward `start_across_stages` began: what this stage still sends on, and on the last stage
+    the rows' last hidden states (with `back`, also sent back to every stage)."""
+
+    sends: list
+    last: torch.Tensor | None = None
+    back: bool = False
+
 
 def attention_mask(q_slots: torch.Tensor, k_slots: torch.Tensor, q_blocks: torch.Tensor,
                    k_blocks: torch.Tensor, k_valid: torch.Tensor | None = None) -> torch.Tensor:

@@ -144,13 +144,12 @@ def _capture_autocast():
 
 @dataclass
 class _InFlight:
-    """A decode step `StaticDecoder.start` began: its logits, or under pipeline stages what this
-    stage still sends and (on the last stage) the rows' last hidden states."""
+    """A decode step `StaticDecoder.start` began: its logits, or under pipeline stages the model's
+    StageWork of it."""
 
     rows: int
     logits: torch.Tensor | None = None
-    last: torch.Tensor | None = None
-    sends: list = field(default_factory=list)
+    stages: object = None
 
 
 class StaticDecoder:
@@ -275,28 +274,22 @@ class StaticDecoder:
     def land(self, step: "_InFlight") -> torch.Tensor:
         """The logits [rows fed, vocab] of a step `start` began."""
         if step.logits is None:
-            pp = self.stages
-            last = step.last if pp.is_last_stage else pp.recv_any_stage(pp.pp_size - 1, back=True)
-            pp.wait_all(step.sends)
-            step.logits = self.model.text_logits(last)
+            step.logits = self.model.text_logits(self.model.land_across_stages(step.stages))
         return step.logits[:step.rows]
 
     def _start_stage(self, span: int, lo: int, n: int, rows: int) -> "_InFlight":
-        """This stage's layers of the step (its own graph), between the hand-offs: a later stage
-        first copies what the stage before sent into its static input; all but the last send their
-        output on, the last sends the rows' last hidden states back to every stage (on the way-back
-        communicator), so every stage makes the same logits and takes the same decisions."""
-        pp = self.stages
-        if pp.pp_rank > 0:
-            got = pp.recv_any_stage(pp.pp_rank - 1)
-            if self.stage_in is None:  # the dtype the stage before sends (its output may be wider)
-                self.stage_in = torch.empty((self.rows, *got.shape[1:]), dtype=got.dtype, device=got.device)
-            self.stage_in[:n].copy_(got)
-        hidden = self._graphed((lo, n, span), lambda: self.layers(span, lo, n))
-        if not pp.is_last_stage:
-            return _InFlight(rows, sends=[pp.isend_any_stage(hidden, pp.pp_rank + 1)])
-        last = hidden[:, -1].contiguous()
-        return _InFlight(rows, last=last, sends=[pp.isend_any_stage(last, s, back=True) for s in range(pp.pp_size - 1)])
+        """This stage's layers of the step (its own graph) between the hand-offs, without waiting
+        for the later stages (`start_across_stages`): a later stage first copies what the stage
+        before sent into its static input. The last stage sends the rows' last hidden states back
+        to every stage, so every stage makes the same logits and takes the same decisions."""
+        def stage(got: torch.Tensor | None) -> torch.Tensor:
+            if got is not None:
+                if self.stage_in is None:  # the dtype the stage before sends (its output may be wider)
+                    self.stage_in = torch.empty((self.rows, *got.shape[1:]), dtype=got.dtype, device=got.device)
+                self.stage_in[:n].copy_(got)
+            return self._graphed((lo, n, span), lambda: self.layers(span, lo, n))
+
+        return _InFlight(rows, stages=self.model.start_across_stages(None, stage))
 
     def _graphed(self, key: tuple, fn) -> torch.Tensor:
         """fn() (an idempotent static step) replayed from its CUDA graph, captured on first use; or
