@@ -169,8 +169,9 @@ def test_the_wavefront_over_rows_equals_row_by_row(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_ar_scheduler_keeps_a_row_group_in_each_stage(tmp_path):
-    """Under 2 stages the scheduler decodes two row groups in turn, each stage working on one
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_ar_scheduler_keeps_a_row_group_in_each_stage(tmp_path, tp):
+    """Under 2 stages (and 2 stages x TP2) the scheduler decodes two row groups in turn, each stage working on one
     group's step while the other stage works on the other's: rows joining and leaving (forced CoT
     lengths, 4 of 8 rows in flight; two rows take their first token from their prefill's logits)
     get the one-process scheduler's tokens, and each stage's exported K/V are its layers of the
@@ -186,10 +187,13 @@ def test_the_ar_scheduler_keeps_a_row_group_in_each_stage(tmp_path):
     single: dict = {}
     engine.ar.stream(scheduler_rows(), lambda req, out: single.__setitem__(req.id, out), GREEDY,
                      admission=Admission(max_rows=4, max_num_batched_tokens=CHUNK))
-    run_on_ranks("tests.parallel_targets:pipeline_scheduler", {"outdir": str(tmp_path)}, world_size=1, device="cpu",
+    from components.engine.parallel import kv_head_range
+
+    run_on_ranks("tests.parallel_targets:pipeline_scheduler", {"outdir": str(tmp_path)}, world_size=tp, device="cpu",
                  pipeline_parallel_size=2)
-    for stage in range(2):
-        out = pickle.load(open(tmp_path / f"rank{stage}_0.pkl", "rb"))
+    for stage, rank in [(s, r) for s in range(2) for r in range(tp)]:
+        out = pickle.load(open(tmp_path / f"rank{stage}_{rank}.pkl", "rb"))
+        h0, h1 = kv_head_range(2, 4, tp, rank)
         stats = out["stats"]
         assert stats["rows"] == 8 and stats["row_groups"] == 2 and stats["peak_steps_in_flight"] == 2, stats
         assert len({len(t) for t in out["tokens"].values()}) >= 3  # rows leave at different steps
@@ -201,5 +205,5 @@ def test_the_ar_scheduler_keeps_a_row_group_in_each_stage(tmp_path):
                 continue
             assert kv.num_layers == len(out["layers"])
             for i, layer in enumerate(out["layers"]):
-                torch.testing.assert_close(kv.keys[i], ref.keys[layer], rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(kv.values[i], ref.values[layer], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(kv.keys[i], ref.keys[layer][:, h0:h1], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(kv.values[i], ref.values[layer][:, h0:h1], rtol=1e-5, atol=1e-5)
