@@ -231,6 +231,8 @@ def pipeline_group(outdir: str, device: str, parallel) -> None:
     from components.engine.pipeline_schedule import denoise_rows
     from tests.test_engine_helpers import random_image
 
+    import numpy as np
+
     torch.manual_seed(0)
     engine = Engine.load("tiny", device=device, tensor_parallel_size=parallel.world_size,
                          pipeline_parallel_size=parallel.pp_size, parallel=parallel)
@@ -246,6 +248,8 @@ def pipeline_group(outdir: str, device: str, parallel) -> None:
     alone = [engine.dit(r) for r in requests()]
     with open(f"{outdir}/rank{parallel.pp_rank}_{parallel.rank}.pkl", "wb") as f:
         pickle.dump({"together": [o.latents for o in together], "alone": [o.latents for o in alone],
+                     "images": [None if o.image is None else np.asarray(o.image) for o in together],
+                     "alone_images": [np.asarray(o.image) for o in alone],
                      "paths": [o.kv_path for o in together], "in_flight": together[0].timings["dit_rows_in_flight"]},
                     f)
 

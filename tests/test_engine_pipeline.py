@@ -153,8 +153,8 @@ def test_kv_moves_between_pipeline_and_one_process(single, tmp_path):
 @pytest.mark.slow
 def test_the_wavefront_over_rows_equals_row_by_row(tmp_path):
     """Three rows (different prompts and sizes) denoised together through the pipeline schedule
-    give exactly the latents each gets alone; the rows differ, so a row given another's latents,
-    cache or step would show."""
+    give exactly the latents and images each gets alone (stage 0 writes the images stage 1 decoded);
+    the rows differ, so a row given another's latents, cache or step would show."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     run_on_ranks("tests.parallel_targets:pipeline_group", {"outdir": str(tmp_path)}, world_size=1, device="cpu",
                  pipeline_parallel_size=2)
@@ -163,6 +163,12 @@ def test_the_wavefront_over_rows_equals_row_by_row(tmp_path):
         assert out["paths"] == ["reuse"] * 3 and out["in_flight"] == 3
         for together, alone in zip(out["together"], out["alone"]):
             assert torch.equal(together, alone)
+        # the VAE decodes are shared out (row i on stage i mod 2); stage 0 gets every image
+        for i, (image, alone) in enumerate(zip(out["images"], out["alone_images"])):
+            if stage == 0 or i % 2 == stage:
+                assert image is not None and np.array_equal(image, alone), (stage, i)
+            else:
+                assert image is None
         rows = out["alone"]  # negative control: the rows differ (in shape or values) from each other
         assert len({tuple(r.shape) for r in rows}) > 1
         assert all(x.shape != y.shape or (x - y).abs().max() > 0.1 for i, x in enumerate(rows) for y in rows[i + 1:])

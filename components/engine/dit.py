@@ -54,7 +54,7 @@ class DiTRequest:
 @dataclass
 class DiTOutput:
     id: str
-    image: Image.Image
+    image: Image.Image | None  # None on a pipeline stage that leaves this row's image to another
     latents: torch.Tensor
     kv_path: str  # "reuse" | "recompute"
     kv_reason: str  # why recompute ("" on reuse)
@@ -193,15 +193,19 @@ class DiTGenerator:
                             step_cache=FirstBlockCache(req.step_cache) if req.step_cache > 0 else None,
                             meanflow=self.model.config.use_meanflow)
 
-    def finish(self, row: "DenoisingRow") -> DiTOutput:
-        """The denoised latents -> the image (VAE decode, official output size alignment)."""
+    def finish(self, row: "DenoisingRow", pixels: torch.Tensor | None = None, want_image: bool = True) -> DiTOutput:
+        """The denoised latents -> the image (VAE decode, unless `pixels` come decoded from another
+        pipeline stage; official output size alignment). `want_image=False`: no image (a pipeline
+        stage that neither decodes nor writes this row)."""
         ar, timings = row.req.ar, row.timings
         if row.step_cache is not None:
             timings["dit_steps_skipped"] = row.step_cache.skipped
         t1 = time.perf_counter()
         timings["dit_total_s"] = t1 - row.t0  # prefix + denoising; the VAE decode is timed apart
-        image = self.decode(row.latents)
-        if ar.infer_align_image_size:  # official postprocess_outputs: match a conditioning image's ratio
+        image = None
+        if want_image:
+            image = self.decode(row.latents) if pixels is None else self.to_image(pixels)
+        if image is not None and ar.infer_align_image_size:  # official postprocess_outputs: match a cond image's ratio
             from .image_processing import align_output_size
 
             image = align_output_size(image, ar.ratio_index,
@@ -389,7 +393,11 @@ class DiTGenerator:
         return pred
 
     def decode(self, latents: torch.Tensor) -> Image.Image:
+        return self.to_image(self.model.vae.decode(latents))
+
+    @staticmethod
+    def to_image(pixels: torch.Tensor) -> Image.Image:
+        """The VAE's output [1, 3, H, W] -> the RGB image."""
         from .image_processing import tensor_to_pil
 
-        pixels = self.model.vae.decode(latents)
         return tensor_to_pil(pixels[0].float().cpu())

@@ -154,6 +154,11 @@ class ParallelContext:
             dist.recv(t, self.stage_rank(self.pp_rank - 1), group=self.pp_group)
         if not self.is_last_stage:
             dist.send(t, self.stage_rank(self.pp_rank + 1), group=self.pp_group)
+        if self.pp_rank >= 2:  # stage s -> stage 0 (the DiT's decoded images; 1 -> 0 is the pair above)
+            dist.send(t, self.stage_rank(0), group=self.pp_group)
+        elif self.pp_rank == 0:
+            for stage in range(2, self.pp_size):
+                dist.recv(t, self.stage_rank(stage), group=self.pp_group)
         if self.is_last_stage:  # the way back: last -> every other stage (the AR wavefront's tokens)
             for stage in range(self.pp_size - 1):
                 dist.send(t, self.stage_rank(stage), group=self.pp_return_group)

@@ -18,7 +18,8 @@ deadlock. Stage 0 receives row m's step-i latents while it has M - 1 other items
 M >= stages the pipeline does not drain between steps. Every item is the same computation as
 `DiTGenerator.__call__` does for the row alone (same modules, same inputs), so the images equal the
 row-by-row ones. What is not overlapped: each row's prefix K/V (one forward through the stages,
-`DiTGenerator.prepare`) and the VAE decode (every stage decodes; rank 0's image is written).
+`DiTGenerator.prepare`) and the VAE decodes (shared out: row i on stage i mod stages, the pixels
+sent to stage 0, which writes the images).
 """
 
 from __future__ import annotations
@@ -59,13 +60,39 @@ def denoise_rows(dit: DiTGenerator, requests: list[DiTRequest]) -> list[DiTOutpu
                     sends.append(_item(dit, pp, row, i))
                     sends = [w for w in sends if w is not None and not w.is_completed()]  # free what arrived
         pp.wait_all(sends)
-        for row in rows:  # the final latents on every stage (each decodes; rank 0 writes)
+        for row in rows:  # the final latents on every stage
             row.latents = pp.broadcast_from_last_stage(row.latents.float())
         per_item = (time.perf_counter() - t0) / max(1, sum(row.steps for row in rows))
         for row in rows:  # the group's denoising time shared out over its items
             row.timings["dit_step_s"] = [per_item] * row.steps
             row.timings["dit_rows_in_flight"] = len(rows)
-        return [dit.finish(row) for row in rows]
+        return _finish_rows(dit, pp, rows)
+
+
+def _finish_rows(dit: DiTGenerator, pp, rows: list[DenoisingRow]) -> list[DiTOutput]:
+    """The rows' images, the VAE decodes shared out over the stages (row i on stage i mod stages);
+    the other stages send their pixels to stage 0, whose first rank writes every image. A stage
+    other than 0 returns images only for the rows it decoded (it writes nothing)."""
+    t0 = time.perf_counter()
+    pixels: list[torch.Tensor | None] = [None] * len(rows)
+    for i, row in enumerate(rows):
+        if i % pp.pp_size == pp.pp_rank:
+            pixels[i] = dit.model.vae.decode(row.latents)
+    for i in range(len(rows)):  # in row order on every stage
+        stage = i % pp.pp_size
+        if stage == 0:
+            continue
+        if pp.pp_rank == stage:
+            pp.send_stage(pixels[i], 0)
+        elif pp.pp_rank == 0:
+            pixels[i] = pp.recv_any_stage(stage)
+    decode_s = (time.perf_counter() - t0) / len(rows)
+    outputs = []
+    for row, decoded in zip(rows, pixels):
+        out = dit.finish(row, decoded, want_image=decoded is not None)  # None: decoded on another stage
+        out.timings["vae_decode_s"] += decode_s
+        outputs.append(out)
+    return outputs
 
 
 def _item(dit: DiTGenerator, pp, row: DenoisingRow, i: int):

@@ -184,8 +184,10 @@ class StaticDecoder:
         # per step: token ids [n], live flags [n], each row's cache slot [n]
         self.inputs = torch.zeros(3 * n, dtype=torch.long, device=device)
         # the host side of that copy, one per first row: under pipeline stages the scheduler starts
-        # the next row group's step before the last one's copy has run (`start`)
+        # the next row group's step before the last one's copy has run (`start`); each buffer is
+        # written again only once its last copy has run (`_copied`)
         self._host: dict[int, torch.Tensor] = {}
+        self._copied: dict[int, torch.cuda.Event] = {}
         self.stages = model.pipeline  # under pipeline stages, run() hands hidden states between them
         self.stage_in: torch.Tensor | None = None  # a later stage's static input (what the stage before sent)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -232,12 +234,16 @@ class StaticDecoder:
         pad = n - len(tokens)
         ids = [self.pad_id if t is None else t for t in tokens] + [self.pad_id] * pad
         live = [int(t is not None) for t in tokens] + [0] * pad
+        cuda = self.inputs.device.type == "cuda"
         host = self._host.get(lo)
         if host is None:
-            host = self._host[lo] = torch.zeros(3 * self.rows, dtype=torch.long,
-                                                pin_memory=self.inputs.device.type == "cuda")
+            host = self._host[lo] = torch.zeros(3 * self.rows, dtype=torch.long, pin_memory=cuda)
+        if lo in self._copied:
+            self._copied[lo].synchronize()  # the copy from this buffer queued last time has run
         host[:3 * n].copy_(torch.tensor(ids + live + list(slots), dtype=torch.long))
         self.inputs[:3 * n].copy_(host[:3 * n], non_blocking=True)
+        if cuda:
+            self._copied.setdefault(lo, torch.cuda.Event()).record()
         return max(slots)
 
     def step(self, tokens: list[int | None], slots: list[int] | None = None, lo: int = 0) -> torch.Tensor:
