@@ -244,9 +244,6 @@ class ParallelContext:
         return bool(self.agree_min(1 if flag else 0))
 
 
-# What goes ahead of a tensor between pipeline stages: [dtype code, ndim, size_0 .. size_5].
-_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-                torch.uint8, torch.bool)
 @dataclass
 class Sending:
     """Sends in flight (`isend_any_stage`) and the tensors they read."""
@@ -259,6 +256,9 @@ class Sending:
             work.wait()
 
 
+# What goes ahead of a tensor between pipeline stages: [dtype code, ndim, size_0 .. size_5].
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+                torch.uint8, torch.bool)
 _HEADER_LEN = 8
 
 
