@@ -155,7 +155,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
             "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant,
             "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
-            "ar_scheduler": {k: stats[k] for k in ("mean_batch", "peak_rows", "pool_rows", "decode_steps",
+            "ar_scheduler": {k: stats[k] for k in ("mean_batch", "peak_rows", "pool_rows", "row_groups", "decode_steps",
                                                    "prefill_chunks", "oom_retries")}}
 
 
