@@ -266,8 +266,12 @@ def _wire_header(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype not in _WIRE_DTYPES or tensor.dim() > _HEADER_LEN - 2:
         raise ValueError(f"cannot hand a {tensor.dtype} tensor of {tensor.dim()} dims between pipeline stages")
     sizes = list(tensor.shape) + [0] * (_HEADER_LEN - 2 - tensor.dim())
-    return torch.tensor([_WIRE_DTYPES.index(tensor.dtype), tensor.dim(), *sizes], dtype=torch.int64,
-                        device=tensor.device)
+    values = [_WIRE_DTYPES.index(tensor.dtype), tensor.dim(), *sizes]
+    if tensor.device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=tensor.device)
+    # from pinned memory without waiting: a plain copy would wait for this stage's queued work, so a
+    # stage could not queue its next row group's step before its last one had run
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(tensor.device, non_blocking=True)
 
 
 def _empty_from_header(header: torch.Tensor, device: torch.device) -> torch.Tensor:
