@@ -1,6 +1,7 @@
 """The AR scheduler at 2 pipeline stages on the CPU (gloo): row groups in turn vs one group.
 
     python benchmarks/ar_row_groups_cpu.py --rows 16 --cot-tokens 48 --out bench.json
+    python benchmarks/ar_row_groups_cpu.py --rows 16 --cot-tokens 48 --edit   # half edit rows: longer prompts
 
 With one row group (`ROW_GROUPS_PER_STAGE = 0.5`, the schedule before row groups) every decode step
 and prefill chunk goes through stage 0, then stage 1, so each stage waits half the time. With a
@@ -48,8 +49,10 @@ def write_checkpoint(directory: Path, hidden: int, layers: int) -> Path:
     return directory
 
 
-def run_rank(checkpoint: str, rows: int, cot_tokens: int, groups_per_stage: float, device: str, parallel) -> dict:
-    """On every stage: the AR over `rows` T2I rows, each CoT forced to `cot_tokens` tokens."""
+def run_rank(checkpoint: str, rows: int, cot_tokens: int, groups_per_stage: float, edit: bool, device: str,
+             parallel) -> dict:
+    """On every stage: the AR over `rows` rows (T2I, or with `edit` every other one an edit row with a
+    conditioning image: longer prompts), each CoT forced to `cot_tokens` tokens."""
     from components.engine import ARRequest, Engine, SamplingParams
     from components.engine import ar_scheduler
     from components.engine.ar import ForcedCot
@@ -60,8 +63,14 @@ def run_rank(checkpoint: str, rows: int, cot_tokens: int, groups_per_stage: floa
                          parallel=parallel)
     engine.ar.forced_cot = ForcedCot(str(cot_tokens))
     prompts = ["a cat on a sofa", "a lighthouse at night in a storm", "two birds", "a bowl of fruit on a table"]
-    requests = [ARRequest(f"r{i}", prompts[i % len(prompts)], [], bot_task="think_recaption", seed=i)
-                for i in range(rows)]
+    image = None
+    if edit:
+        import numpy as np
+        from PIL import Image
+
+        image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (256, 256, 3), dtype=np.uint8))
+    requests = [ARRequest(f"r{i}", prompts[i % len(prompts)], [image] if edit and i % 2 == 0 else [],
+                          bot_task="think_recaption", seed=i) for i in range(rows)]
     results: dict = {}
     t0 = time.perf_counter()
     stats = engine.ar.stream(requests, lambda req, out: results.__setitem__(req.id, out.generated_ids),
@@ -76,23 +85,25 @@ def main() -> None:
     p.add_argument("--cot-tokens", type=int, default=48)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--edit", action="store_true", help="every other row an edit row (a 256x256 image)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
     from components.ranks import RankPool
 
     report = {"rows": args.rows, "cot_tokens": args.cot_tokens, "hidden": args.hidden, "layers": args.layers,
-              "arms": {}}
+              "edit": args.edit, "arms": {}}
     with tempfile.TemporaryDirectory() as work:
         checkpoint = str(write_checkpoint(Path(work) / "wide-tiny", args.hidden, args.layers))
         for name, groups in (("one group (before)", 0.5), ("a group per stage", 1.0)):
             with RankPool(1, "cpu", pipeline_parallel_size=2, cpu_threads=1) as pool:
                 got = pool.run("benchmarks.ar_row_groups_cpu:run_rank",
                                dict(checkpoint=checkpoint, rows=args.rows, cot_tokens=args.cot_tokens,
-                                    groups_per_stage=groups))
+                                    groups_per_stage=groups, edit=args.edit))
             stats = got["stats"]
             report["arms"][name] = {"wall_s": round(got["wall_s"], 2), "row_groups": stats["row_groups"],
                                     "decode_steps": stats["decode_steps"], "mean_batch": stats["mean_batch"],
+                                    "prefill_tokens": stats["prefill_tokens"],
                                     "peak_steps_in_flight": stats["peak_steps_in_flight"], "tokens": got["tokens"]}
             print(f"{name:20s} wall {got['wall_s']:7.2f} s  groups {stats['row_groups']}  "
                   f"decode steps {stats['decode_steps']}  mean rows a step {stats['mean_batch']}", flush=True)
