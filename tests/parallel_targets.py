@@ -159,13 +159,15 @@ def pipeline_row(outdir: str, device: str, parallel, kv_file: str | None = None)
 
 
 def scheduler_rows() -> list:
-    """tests/test_ar_scheduler's six think_recaption rows (edit and T2I), and two whose first token
-    comes from their prefill's logits: a text answer and a ratio-only row."""
+    """tests/test_ar_scheduler's six think_recaption rows (edit and T2I), two whose first token
+    comes from their prefill's logits (a text answer and a ratio-only row), and an edit row whose
+    image is not one (it fails alone)."""
     from components.engine.ar import ARRequest
     from tests.test_ar_scheduler import _requests
 
     return _requests(6) + [ARRequest("answer", "what is a fox?", [], bot_task="auto", seed=3),
-                           ARRequest("ratio", "a tall tower", [], bot_task="image", seed=4)]
+                           ARRequest("ratio", "a tall tower", [], bot_task="image", seed=4),
+                           ARRequest("broken", "make it blue", ["not an image"], seed=5)]
 
 
 def pipeline_scheduler(outdir: str, device: str, parallel) -> None:
@@ -186,8 +188,10 @@ def pipeline_scheduler(outdir: str, device: str, parallel) -> None:
     stats = engine.ar.stream(scheduler_rows(), lambda req, out: results.__setitem__(req.id, out), GREEDY,
                              admission=Admission(max_rows=4, max_num_batched_tokens=CHUNK))
     with open(f"{outdir}/rank{parallel.pp_rank}_{parallel.rank}.pkl", "wb") as f:
-        pickle.dump({"tokens": {i: o.generated_ids for i, o in results.items()},
-                     "kv": {i: o.prompt_kv for i, o in results.items()}, "layers": engine.model.stage_layers,
+        ok = {i: o for i, o in results.items() if not isinstance(o, BaseException)}
+        pickle.dump({"tokens": {i: o.generated_ids for i, o in ok.items()},
+                     "errors": {i: str(e) for i, e in results.items() if i not in ok},
+                     "kv": {i: o.prompt_kv for i, o in ok.items()}, "layers": engine.model.stage_layers,
                      "stats": stats}, f)
 
 

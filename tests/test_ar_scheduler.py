@@ -239,10 +239,10 @@ def test_resume_retries_a_transient_row_but_not_a_bad_input_row(tmp_path, monkey
     bad, flaky = ids[1], ids[2]
     real_prepare = ARGenerator._prepare
 
-    def prepare(self, req):
+    def prepare(self, req, cond=None):
         if req.id == bad:
             raise ValueError(f"request {req.id}: a bad prompt (injected)")
-        return real_prepare(self, req)
+        return real_prepare(self, req, cond)
 
     def oom_with_flaky(scheduler):
         if any(s.request.id == flaky for s in scheduler.running):

@@ -179,9 +179,9 @@ def test_the_wavefront_over_rows_equals_row_by_row(tmp_path):
 def test_the_ar_scheduler_keeps_a_row_group_in_each_stage(tmp_path, tp):
     """Under 2 stages (and 2 stages x TP2) the scheduler decodes two row groups in turn, each stage working on one
     group's step while the other stage works on the other's: rows joining and leaving (forced CoT
-    lengths, 4 of 8 rows in flight; two rows take their first token from their prefill's logits)
-    get the one-process scheduler's tokens, and each stage's exported K/V are its layers of the
-    one-process K/V."""
+    lengths, 4 of 8 rows in flight; two rows take their first token from their prefill's logits;
+    the two edit rows' images encoded one on each stage) get the one-process scheduler's tokens, and
+    each stage's exported K/V are its layers of the one-process K/V."""
     from components.engine.ar import ForcedCot
     from components.engine.ar_scheduler import Admission
 
@@ -197,13 +197,21 @@ def test_the_ar_scheduler_keeps_a_row_group_in_each_stage(tmp_path, tp):
 
     run_on_ranks("tests.parallel_targets:pipeline_scheduler", {"outdir": str(tmp_path)}, world_size=tp, device="cpu",
                  pipeline_parallel_size=2)
+    encoded = []
     for stage, rank in [(s, r) for s in range(2) for r in range(tp)]:
         out = pickle.load(open(tmp_path / f"rank{stage}_{rank}.pkl", "rb"))
         h0, h1 = kv_head_range(2, 4, tp, rank)
+        if rank == 0:
+            encoded.append(out["stats"]["images_encoded"])
         stats = out["stats"]
-        assert stats["rows"] == 8 and stats["row_groups"] == 2 and stats["peak_steps_in_flight"] == 2, stats
+        assert stats["rows"] == 8 and stats["failed"] == 1, stats
+        assert stats["row_groups"] == 2 and stats["peak_steps_in_flight"] == 2, stats
+        assert list(out["errors"]) == ["broken"] and "broken" not in out["tokens"]
         assert len({len(t) for t in out["tokens"].values()}) >= 3  # rows leave at different steps
         for row_id, one in single.items():
+            if row_id == "broken":  # fails alone too, on every stage, and the others go on
+                assert isinstance(one, Exception)
+                continue
             assert out["tokens"][row_id] == one.generated_ids, (stage, row_id)
             kv, ref = out["kv"][row_id], one.prompt_kv
             if ref is None:  # the text answer: no image, no K/V
@@ -213,3 +221,4 @@ def test_the_ar_scheduler_keeps_a_row_group_in_each_stage(tmp_path, tp):
             for i, layer in enumerate(out["layers"]):
                 torch.testing.assert_close(kv.keys[i], ref.keys[layer][:, h0:h1], rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(kv.values[i], ref.values[layer][:, h0:h1], rtol=1e-5, atol=1e-5)
+    assert encoded == [1, 1]  # the two edit rows' images: one encoded on each stage, stage 0 embeds both

@@ -212,8 +212,8 @@ def test_forced_tokens_mid_cot_consume_no_draw(engine, monkeypatch, static_decod
     first = engine.generate_ar([_requests()[1]], SAMPLED)[0].generated_ids[0]
     real_prepare = ARGenerator._prepare
 
-    def prepare(self, req):
-        row = real_prepare(self, req)
+    def prepare(self, req, cond=None):
+        row = real_prepare(self, req, cond)
         row.transitions[first] = self.tok.encode("a b")
         return row
 

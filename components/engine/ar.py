@@ -304,7 +304,8 @@ class ARGenerator:
         return outputs
 
     # -- stages -------------------------------------------------------------------------------
-    def _prepare(self, req: ARRequest) -> _Row:
+    def _prepare(self, req: ARRequest, cond: list[EncodedImage] | None = None) -> _Row:
+        """The request's row; `cond`: its conditioning images already encoded (else encoded here)."""
         tok, gc = self.tok, self.generation_config
         bot_task = req.bot_task or gc.bot_task
         if bot_task not in (*IMAGE_TASKS, "auto"):
@@ -326,9 +327,9 @@ class ARGenerator:
             raise ValueError(f"request {req.id}: {e}") from None
         # conditioning latents are posterior draws from the row's seeded stream, as in the DiT pass
         # (official CoT passes draw from an unseeded one), so AR and DiT see the same latents
-        cond = encode_cond_images(self.model, self.builder, req.images, req.infer_align_image_size,
-                                  request_generator(self.model, request_seed(req.seed, req.id))) \
-            if req.images else []
+        if cond is None:
+            cond = encode_cond_images(self.model, self.builder, req.images, req.infer_align_image_size,
+                                      self.cond_generator(req)) if req.images else []
         seq = self.builder.ar_prompt(req.prompt, [c.footprint for c in cond], bot_task, system_prompt)
 
         need_ratio = fixed_ratio is None
@@ -459,6 +460,10 @@ class ARGenerator:
                 return steps
             logits = decoder.step(next_ids)
             steps += 1
+
+    def cond_generator(self, req: ARRequest) -> torch.Generator:
+        """The stream the request's conditioning latents are drawn from."""
+        return request_generator(self.model, request_seed(req.seed, req.id))
 
     def sampling_generator(self, row: _Row) -> torch.Generator:
         """The row's sampling stream for `DeviceSampler`: its own generator on the CPU, on a GPU a

@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 from . import kernels
-from .inputs import embed_span
+from .inputs import EncodedImage, embed_span, encode_fitted, fit_cond_images
 from .kernels.decode import SPAN_STEP, DeviceSampler, StaticDecoder
 from .transformer import KVCache, SlotMask
 
@@ -149,6 +149,8 @@ class _Seq:
     positions: torch.Tensor | None = None
     blocks: torch.Tensor | None = None
     solo: bool = False  # failed in a batch: runs alone so a bad row names itself
+    cond: list | None = None  # under pipeline stages, its conditioning images encoded ahead (`_encode_ahead`)
+    cond_error: BaseException | None = None  # or why they could not be
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0
@@ -192,6 +194,7 @@ class SchedulerStats:
     peak_rows: int = 0
     row_groups: int = 1  # groups that decode in turn (one per pipeline stage)
     peak_steps_in_flight: int = 0  # decode steps of different groups in the stages at once
+    images_encoded: int | None = None  # under pipeline stages, conditioning images this stage encoded
     oom_retries: int = 0
     pool_rows: int = 0
     pool_capacity: int = 0
@@ -271,10 +274,13 @@ class ARScheduler:
         return parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1)
 
     def step(self) -> None:
-        """Admit what fits, prefill one chunk, choose every running row's next token, decode one step."""
+        """Admit what fits, then for each row group (one without pipeline stages): prefill one
+        chunk, choose the group's rows' next tokens, decode one step. Under stages a chunk per group
+        keeps a chunk in each stage too, as the groups' steps are."""
         self._admit()
-        self._prefill_next()
-        self._decode()
+        for lo, hi in self.groups or [(0, 0)]:
+            self._prefill_next()
+            self._decode_group(lo, hi)
 
     @property
     def wavefront(self) -> bool:
@@ -325,7 +331,11 @@ class ARScheduler:
     def _prepare(self, seq: _Seq) -> bool:
         """The row's prompt (images encoded), or its failure: a bad input fails the row."""
         try:
-            seq.row = self.ar._prepare(seq.request)
+            if self.wavefront and seq.cond is None:
+                self._encode_ahead()
+            if seq.cond_error is not None:
+                raise seq.cond_error
+            seq.row = self.ar._prepare(seq.request, seq.cond)
         except Exception as e:  # noqa: BLE001
             if is_out_of_memory(e):
                 raise
@@ -338,6 +348,40 @@ class ARScheduler:
         seq.blocks = seq.row.seq.block_ids()
         seq.generator = self.ar.sampling_generator(seq.row)
         return True
+
+    def _encode_ahead(self) -> None:
+        """Under pipeline stages, the conditioning images of the next waiting rows, one row a stage
+        at once. Only stage 0 embeds them (the later stages receive hidden states), so stage k
+        encodes the k-th row and hands its latents and ViT tokens to stage 0; every stage fits every
+        image on the host, which gives the footprints the row's sequence needs. Without this each
+        stage encoded every image, all at the same point of the loop."""
+        pp, ar, model = self.model.pipeline, self.ar, self.model
+        batch = []
+        for seq in self.waiting:
+            if len(batch) == pp.pp_size:
+                break
+            if seq.cond is not None or seq.row is not None:
+                continue
+            try:
+                fitted = fit_cond_images(model, ar.builder, seq.request.images, seq.request.infer_align_image_size)
+            except Exception as e:  # noqa: BLE001 - a bad image fails its row, on every stage alike
+                seq.cond, seq.cond_error = [], e
+                continue
+            seq.cond = [EncodedImage(f.footprint, None, None) for f in fitted]
+            if fitted:
+                batch.append((seq, fitted))
+        for k, (seq, fitted) in enumerate(batch):
+            if k == pp.pp_rank:
+                seq.cond = encode_fitted(model, fitted, ar.cond_generator(seq.request))
+                self.stats.images_encoded = (self.stats.images_encoded or 0) + len(fitted)
+        for k, (seq, _) in enumerate(batch[1:], start=1):  # to stage 0, in row order on every stage
+            for i, image in enumerate(seq.cond):
+                if pp.pp_rank == k:
+                    pp.send_stage(image.latents, 0)
+                    pp.send_stage(image.vit_tokens, 0)
+                    seq.cond[i] = EncodedImage(image.footprint, None, None)  # stage k embeds nothing
+                elif pp.pp_rank == 0:
+                    seq.cond[i] = EncodedImage(image.footprint, pp.recv_any_stage(k), pp.recv_any_stage(k))
 
     def _allocate(self, capacity: int) -> None:
         """A fresh pool of as many slots as fit (and as rows are left), `capacity` tokens each."""
@@ -441,14 +485,10 @@ class ARScheduler:
         return work
 
     # -- decode -----------------------------------------------------------------------------------
-    def _decode(self) -> None:
-        """Each row group in turn: its step in flight lands, its rows choose their next tokens,
-        finished rows leave, and one decode step starts for the rest. Without pipeline stages
-        there is one group and its step lands at once."""
-        for lo, hi in self.groups:
-            self._decode_group(lo, hi)
-
     def _decode_group(self, lo: int, hi: int) -> None:
+        """The group's step in flight lands, its rows choose their next tokens, finished rows leave,
+        and one decode step starts for the rest. Without pipeline stages (one group) the step
+        lands at once."""
         t0 = time.perf_counter()
         self._land(lo)
         rows = [s for s in self.running if lo <= s.slot < hi]

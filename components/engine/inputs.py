@@ -17,11 +17,21 @@ from .transformer import HunyuanImage3ForCausalMM
 
 @dataclass
 class EncodedImage:
-    """One conditioning image, encoded once per request."""
+    """One conditioning image, encoded once per request. Its footprint alone (latents and ViT tokens
+    None) on a pipeline stage that never embeds it (`ARScheduler` under stages)."""
 
     footprint: CondImage
-    latents: torch.Tensor  # [1, C, h, w]
-    vit_tokens: torch.Tensor  # [vit_len, hidden]
+    latents: torch.Tensor | None  # [1, C, h, w]
+    vit_tokens: torch.Tensor | None  # [vit_len, hidden]
+
+
+@dataclass
+class FittedImage:
+    """A conditioning image prepared on the host for both encoders, with its token footprint."""
+
+    footprint: CondImage
+    vae_input: Image.Image  # resized and cropped to its ratio bucket
+    vit_input: object  # vit.ViTInput
 
 
 def request_generator(model: HunyuanImage3ForCausalMM, seed: int) -> torch.Generator:
@@ -59,23 +69,50 @@ def encode_cond_images(model: HunyuanImage3ForCausalMM, builder: SequenceBuilder
     The VAE latents are a posterior draw (`latent_dist.sample(generator)`), image after image from
     the request's generator.
     """
-    from .image_processing import load_image, pil_to_tensor, resize_and_crop
-    from .vit import ViTProcessorSettings, encode_vit, preprocess_for_vit
+    return encode_fitted(model, fit_cond_images(model, builder, images, infer_align_image_size), generator)
+
+
+def fit_cond_images(model: HunyuanImage3ForCausalMM, builder: SequenceBuilder, images: list[Image.Image],
+                    infer_align_image_size: bool = False) -> list[FittedImage]:
+    """The host half of `encode_cond_images`: each image fitted for the VAE and the ViT, and the
+    tokens it takes (its footprint), without running either encoder."""
+    from .image_processing import load_image, resize_and_crop
+    from .vit import ViTProcessorSettings, preprocess_for_vit
 
     vit_settings = ViTProcessorSettings.from_config(model.config)
+    factor = model.config.vae.downsample_factor
     out = []
     for image in images:
         image = load_image(image)
         ratio = builder.resolutions.ratio_index(*image.size)
         width, height = builder.resolutions.size(ratio)
         fitted = resize_and_crop(image, width, height, "resize" if infer_align_image_size else "center")
-        pixels = pil_to_tensor(fitted).unsqueeze(0).to(model.device)
-        latents = model.vae.encode(pixels, generator=generator).float()
         vit_in = preprocess_for_vit(image, vit_settings)
-        vit_tokens = encode_vit(model.vision_model, model.vision_aligner, [vit_in])[0].to(model.dtype)
-        footprint = CondImage(latents.shape[2], latents.shape[3], ratio, tuple(vit_in.spatial_shape),
-                              vit_tokens.shape[0], orig_width=image.width, orig_height=image.height)
-        out.append(EncodedImage(footprint, latents, vit_tokens))
+        footprint = CondImage(height // factor, width // factor, ratio, tuple(vit_in.spatial_shape),
+                              model.config.vit.max_num_patches, orig_width=image.width, orig_height=image.height)
+        out.append(FittedImage(footprint, fitted, vit_in))
+    return out
+
+
+@torch.no_grad()
+def encode_fitted(model: HunyuanImage3ForCausalMM, fitted: list[FittedImage],
+                  generator: torch.Generator | None = None) -> list[EncodedImage]:
+    """The device half of `encode_cond_images`: the VAE latents (a posterior draw from `generator`,
+    image after image) and the aligned ViT tokens."""
+    from .image_processing import pil_to_tensor
+    from .vit import encode_vit
+
+    out = []
+    for image in fitted:
+        pixels = pil_to_tensor(image.vae_input).unsqueeze(0).to(model.device)
+        latents = model.vae.encode(pixels, generator=generator).float()
+        vit_tokens = encode_vit(model.vision_model, model.vision_aligner, [image.vit_input])[0].to(model.dtype)
+        got = (latents.shape[2], latents.shape[3], vit_tokens.shape[0])
+        fp = image.footprint
+        if got != (fp.latent_h, fp.latent_w, fp.vit_len):  # the footprint is what the sequence reserves
+            raise RuntimeError(f"encoded image takes {got} (latent h, w, ViT tokens), its footprint says "
+                               f"{(fp.latent_h, fp.latent_w, fp.vit_len)}")
+        out.append(EncodedImage(fp, latents, vit_tokens))
     return out
 
 
