@@ -28,10 +28,12 @@ rows.
 - Under pipeline stages every stage runs this loop and takes the same decisions. The pool's rows
   form one group per stage (`ROW_GROUPS_PER_STAGE`) that decode in turn: a group's step starts
   through the stages without waiting (`StaticDecoder.start`), and its logits land on the group's
-  next turn, so stage 0 works on group B while stage 1 works on group A. Prompt chunks and the
-  finished rows' K/V rewrites go through the stages without waiting too (a stage needs only its
-  own layers' K/V of a row's earlier chunks); a prompt's last hidden state comes back from the last
-  stage like a step's. Every stage lands what comes back in the order it started (`landing`).
+  next turn, so stage 0 works on group B while stage 1 works on group A. Prompt chunks (one in
+  every group's turn) and the finished rows' K/V rewrites go through the stages without waiting
+  too (a stage needs only its own layers' K/V of a row's earlier chunks); a prompt's last hidden
+  state comes back from the last stage like a step's. Every stage lands what comes back in the
+  order it started (`landing`). Conditioning images are encoded one row a stage and handed to
+  stage 0, the only stage that embeds them (`_encode_ahead`).
 """
 
 from __future__ import annotations
