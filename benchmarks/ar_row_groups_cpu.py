@@ -3,7 +3,7 @@
     python benchmarks/ar_row_groups_cpu.py --rows 16 --cot-tokens 48 --out bench.json
     python benchmarks/ar_row_groups_cpu.py --rows 16 --cot-tokens 48 --edit   # half edit rows: longer prompts
 
-With one row group (`ROW_GROUPS_PER_STAGE = 0.5`, the schedule before row groups) every decode step
+With one row group (`ARDIT_KERNELS=stage_row_groups=off`, the schedule before row groups) every decode step
 and prefill chunk goes through stage 0, then stage 1, so each stage waits half the time. With a
 group per stage (the default) stage 0 works on one group's step while stage 1 works on the other's,
 and prompt chunks go on without waiting for the last stage. This shows the schedule on two CPU
@@ -49,16 +49,15 @@ def write_checkpoint(directory: Path, hidden: int, layers: int) -> Path:
     return directory
 
 
-def run_rank(checkpoint: str, rows: int, cot_tokens: int, groups_per_stage: float, edit: bool, device: str,
+def run_rank(checkpoint: str, rows: int, cot_tokens: int, row_groups: str, edit: bool, device: str,
              parallel) -> dict:
     """On every stage: the AR over `rows` rows (T2I, or with `edit` every other one an edit row with a
     conditioning image: longer prompts), each CoT forced to `cot_tokens` tokens."""
-    from components.engine import ARRequest, Engine, SamplingParams
-    from components.engine import ar_scheduler
+    from components.engine import ARRequest, Engine, SamplingParams, kernels
     from components.engine.ar import ForcedCot
     from components.engine.ar_scheduler import Admission
 
-    ar_scheduler.ROW_GROUPS_PER_STAGE = groups_per_stage
+    kernels.configure(stage_row_groups=row_groups)
     engine = Engine.load(checkpoint, dummy_weights=True, device=device, pipeline_parallel_size=parallel.pp_size,
                          parallel=parallel)
     engine.ar.forced_cot = ForcedCot(str(cot_tokens))
@@ -95,11 +94,11 @@ def main() -> None:
               "edit": args.edit, "arms": {}}
     with tempfile.TemporaryDirectory() as work:
         checkpoint = str(write_checkpoint(Path(work) / "wide-tiny", args.hidden, args.layers))
-        for name, groups in (("one group (before)", 0.5), ("a group per stage", 1.0)):
+        for name, groups in (("one group (before)", "off"), ("a group per stage", "auto")):
             with RankPool(1, "cpu", pipeline_parallel_size=2, cpu_threads=1) as pool:
                 got = pool.run("benchmarks.ar_row_groups_cpu:run_rank",
                                dict(checkpoint=checkpoint, rows=args.rows, cot_tokens=args.cot_tokens,
-                                    groups_per_stage=groups, edit=args.edit))
+                                    row_groups=groups, edit=args.edit))
             stats = got["stats"]
             report["arms"][name] = {"wall_s": round(got["wall_s"], 2), "row_groups": stats["row_groups"],
                                     "decode_steps": stats["decode_steps"], "mean_batch": stats["mean_batch"],

@@ -170,13 +170,13 @@ def scheduler_rows() -> list:
                            ARRequest("broken", "make it blue", ["not an image"], seed=5)]
 
 
-def pipeline_scheduler(outdir: str, device: str, parallel) -> None:
+def pipeline_scheduler(outdir: str, device: str, parallel, row_groups: str = "auto") -> None:
     """The continuous-batching AR scheduler on a pipeline-parallel rank: `scheduler_rows` (forced CoT
-    lengths, greedy) with 4 rows in flight; writes each row's tokens and this stage's K/V, and the
-    scheduler's statistics."""
+    lengths, greedy) with 4 rows in flight (`row_groups`: the stage_row_groups kernel setting);
+    writes each row's tokens and this stage's K/V, and the scheduler's statistics."""
     import pickle
 
-    from components.engine import Engine
+    from components.engine import Engine, kernels
     from components.engine.ar import ForcedCot
     from components.engine.ar_scheduler import Admission
     from tests.test_ar_scheduler import CHUNK, FORCED, GREEDY
@@ -184,6 +184,7 @@ def pipeline_scheduler(outdir: str, device: str, parallel) -> None:
     engine = Engine.load("tiny", seed=0, device=device, tensor_parallel_size=parallel.world_size,
                          pipeline_parallel_size=parallel.pp_size, parallel=parallel)
     engine.ar.forced_cot = ForcedCot(FORCED)
+    kernels.configure(stage_row_groups=row_groups)
     results: dict = {}
     stats = engine.ar.stream(scheduler_rows(), lambda req, out: results.__setitem__(req.id, out), GREEDY,
                              admission=Admission(max_rows=4, max_num_batched_tokens=CHUNK))

@@ -26,7 +26,7 @@ rows.
   cache emptied, the row cap halved, and the in-flight rows start again (their seeds give the same
   tokens). A row fails only when it does not fit alone, with its size and what would fit.
 - Under pipeline stages every stage runs this loop and takes the same decisions. The pool's rows
-  form one group per stage (`ROW_GROUPS_PER_STAGE`) that decode in turn: a group's step starts
+  form one group per stage (kernel setting `stage_row_groups`) that decode in turn: a group's step starts
   through the stages without waiting (`StaticDecoder.start`), and its logits land on the group's
   next turn, so stage 0 works on group B while stage 1 works on group A. Prompt chunks (one in
   every group's turn) and the finished rows' K/V rewrites go through the stages without waiting
@@ -54,11 +54,6 @@ from .transformer import KVCache, SlotMask
 CPU_ROWS = 8  # rows in flight on the CPU with --batch-size auto (no memory probe there)
 DEFAULT_BATCHED_TOKENS = 2048  # prefill chunk (--max-num-batched-tokens)
 CLOSING_MARGIN = 16  # forced closing tokens may exceed a tiny budget (as ARGenerator._prefill)
-# Under pipeline stages the pool's rows decode in groups, in turn, each group's step going through
-# the stages while the other groups' steps do; one group a stage keeps every stage busy. Fewer (0.5
-# at 2 stages: one group, each step through stage 0, then stage 1) is the schedule before row groups
-# (benchmarks/ar_row_groups_cpu.py compares them); more leaves slack for the way back, smaller steps.
-ROW_GROUPS_PER_STAGE = 1.0
 
 
 # tests: called before every scheduler step with the scheduler; may raise torch.OutOfMemoryError
@@ -232,9 +227,12 @@ class ARScheduler:
         self.decoder: StaticDecoder | None = None
         self.logits: torch.Tensor | None = None
         # row groups [lo, hi) of the pool that decode in turn: under pipeline stages one per stage,
-        # so each stage works on one group's step while the next stage works on another's
-        self.group_count = 1 if self.model.pipeline is None or kernels.settings().batch_invariant == "on" \
-            else max(1, round(ROW_GROUPS_PER_STAGE * self.model.pipeline.pp_size))
+        # so each stage works on one group's step while the next stage works on another's (the
+        # kernel setting stage_row_groups=off: one group, each forward through the stages in turn,
+        # the schedule before row groups; benchmarks/ar_row_groups_cpu.py compares them)
+        settings = kernels.settings()
+        self.group_count = 1 if self.model.pipeline is None or settings.batch_invariant == "on" \
+            or settings.stage_row_groups == "off" else self.model.pipeline.pp_size
         self.groups: list[tuple[int, int]] = []
         # under pipeline stages, forwards whose results come back from the last stage, in the order
         # they started (every stage lands them in that order): ("step", group lo, (step, rows fed))

@@ -26,6 +26,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "expert_gemm": ("auto", "cutlass"),           # FP8 experts with few rows: Triton (auto) or CUTLASS
     "compile": ("auto", "off", "on"),             # torch.compile of the layers (DiT steps, AR decode), VAE norms
     "batch_invariant": ("off", "on"),             # a row is bitwise independent of its batch
+    "stage_row_groups": ("auto", "off"),          # AR under pipeline stages: a row group per stage, or one
 }
 
 
@@ -38,6 +39,7 @@ class KernelSettings:
     expert_gemm: str = "auto"
     compile: str = "auto"
     batch_invariant: str = "off"
+    stage_row_groups: str = "auto"
 
     def describe(self) -> str:
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
@@ -56,7 +58,7 @@ def parse(spec: str | None, base: KernelSettings | None = None) -> KernelSetting
             out = replace(out, attention="flex" if fast else "sdpa", moe="fused" if fast else "grouped",
                           decode_graphs="on" if fast else "off", compile="on" if fast else "off",
                           decode_attention="split" if fast else "sdpa",
-                          expert_gemm="auto" if fast else "cutlass")
+                          expert_gemm="auto" if fast else "cutlass", stage_row_groups="auto" if fast else "off")
             continue
         name, _, value = item.partition("=")
         name, value = name.strip().replace("-", "_"), value.strip()
