@@ -513,7 +513,7 @@ class ARScheduler:
             return
         graphs = len(self.decoder.graphs)
         self._step(feed, lo, hi)
-        if len(self.groups) == 1:  # one group: its step lands now (with stages, next turn)
+        if not self.wavefront:  # one group: its step lands now (with row groups, on the group's next turn)
             self._land(lo)
             _wait_for_device(self.model.device)
         dt = time.perf_counter() - t0

@@ -98,11 +98,7 @@ class ParallelContext:
         shape) goes first, so the receiver allocates exactly what comes (`recv_any_stage`). A
         buffer guessed on the receiving side could differ in dtype (a stage's output may be wider
         than its input), and NCCL send/recv of different byte counts hangs rather than failing."""
-        import torch.distributed as dist
-
-        tensor = tensor.contiguous()
-        dist.send(_wire_header(tensor), self.stage_rank(stage), group=self.pp_group)
-        dist.send(tensor, self.stage_rank(stage), group=self.pp_group)
+        self.isend_any_stage(tensor, stage).wait()
 
     @_collective
     def recv_any_stage(self, stage: int, back: bool = False) -> torch.Tensor:
