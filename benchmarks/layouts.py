@@ -193,6 +193,11 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
         "ar_decode_s_per_row": mean([r.get("ar_decode_s") for r in ok]),
         "dit_s_per_row": mean([(r.get("dit_total_s") or 0) + (r.get("vae_decode_s") or 0) for r in ok]),
         "dit_step_s_mean": mean([r.get("dit_step_s_mean") for r in ok]),
+        # pipeline stages: the DiT group's time per row, by phase (prefixes, wavefront, VAE decodes)
+        "dit_group_s_per_row": {phase: mean([r[f"dit_group_{phase}_s"] / r["dit_rows_in_flight"] for r in ok
+                                             if r.get(f"dit_group_{phase}_s") is not None])
+                                for phase in ("prepare", "denoise", "finish")},
+        "dit_prefix_s_per_row": mean([r.get("dit_prefix_s") for r in ok]),
         "kv_paths": sorted({str(r.get("kv_path")) for r in ok}),
         "kernel_fallbacks": summary.get("kernel_fallbacks"),
         "peak_gpu_mib": memory.peak_mib, "time_split_s": split, "log_tail": log[-1500:],

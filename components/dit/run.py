@@ -226,6 +226,8 @@ def _write_row(out_io: _RowWriter, row: _DiTRow, ar, out, fallbacks: Any) -> Non
         metrics["dit_steps_skipped"] = t["dit_steps_skipped"]  # by the step cache
     if "dit_rows_in_flight" in t:
         metrics["dit_rows_in_flight"] = t["dit_rows_in_flight"]  # pipeline stages: rows denoised together
+        for phase, seconds in t["dit_group_s"].items():  # and where their group's time went
+            metrics[f"dit_group_{phase}_s"] = seconds
     out_io.ok(job.id, out.image, out.latents, key, metrics)
 
 

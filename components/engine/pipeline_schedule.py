@@ -51,6 +51,7 @@ def denoise_rows(dit: DiTGenerator, requests: list[DiTRequest]) -> list[DiTOutpu
     if pp is None:
         raise ValueError("denoise_rows needs a model in pipeline stages (pipeline_parallel_size > 1)")
     with model.autocast():
+        t_prepare = time.perf_counter()
         rows = [dit.prepare(req) for req in requests]  # prefix K/V: one forward through the stages each
         t0 = time.perf_counter()
         sends: list = []
@@ -62,11 +63,18 @@ def denoise_rows(dit: DiTGenerator, requests: list[DiTRequest]) -> list[DiTOutpu
         pp.wait_all(sends)
         for row in rows:  # the final latents on every stage
             row.latents = pp.broadcast_from_last_stage(row.latents.float())
-        per_item = (time.perf_counter() - t0) / max(1, sum(row.steps for row in rows))
+        t1 = time.perf_counter()
+        per_item = (t1 - t0) / max(1, sum(row.steps for row in rows))
         for row in rows:  # the group's denoising time shared out over its items
             row.timings["dit_step_s"] = [per_item] * row.steps
             row.timings["dit_rows_in_flight"] = len(rows)
-        return _finish_rows(dit, pp, rows)
+        outputs = _finish_rows(dit, pp, rows)
+        # where the group's time went (each row carries its group's): the prefixes (one row at a time
+        # through the stages), the wavefront, the VAE decodes and hand-offs
+        group = {"prepare": t0 - t_prepare, "denoise": t1 - t0, "finish": time.perf_counter() - t1}
+        for out in outputs:
+            out.timings["dit_group_s"] = {k: round(v, 4) for k, v in group.items()}
+        return outputs
 
 
 def _finish_rows(dit: DiTGenerator, pp, rows: list[DenoisingRow]) -> list[DiTOutput]:
