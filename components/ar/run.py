@@ -98,6 +98,9 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
                          parallel, pipeline_parallel_size)
     load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
+    from components.engine import compile_cache
+
+    compiles = compile_cache.attach(output, engine, log=owner)  # a fresh container starts warm
     store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
     sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
                               max_new_tokens=gen["max_new_tokens"])
@@ -151,6 +154,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kernels.configure(previous_kernels)
         if store is not None:
             store.close()
+    if compiles is not None:
+        compiles.persist()  # what this step compiled, for the next process
     progress.finish(task)
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
             "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant,

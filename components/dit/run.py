@@ -80,6 +80,9 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
                          parallel, pipeline_parallel_size)
     load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
+    from components.engine import compile_cache
+
+    compiles = compile_cache.attach(output, engine, log=owner)  # a fresh container starts warm
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
     kv_io = _KVReader(store, engine, kv_reuse, deletes=owner)
     out_io = _RowWriter(writer, layout, shard, save_latents, kv_io, enabled=owner)
@@ -136,6 +139,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kv_io.close()  # closes the store too, within its timeout
     if kv_store is None:
         _remove_if_empty(default_kv_store(output, run_id))
+    if compiles is not None:
+        compiles.persist()  # what this step compiled, for the next process
     progress.finish(task)
     return {"shard": shard, **marker, "kv_wait_s": round(out_io.kv_wait_s, 4),
             "kv_deletes_failed": kv_io.deletes_failed, "kernel_fallbacks": kernels.fallbacks() - fallbacks_before}
