@@ -224,9 +224,9 @@ def test_negative_control_corrupted_keys(engine, ar_outputs, recomputed, no_deco
 class _WrongNegBoundary(DiTGenerator):
     """Bug model: the uncond row shares the cond K/V up to pos_reuse_len (its <cfg> text is skipped)."""
 
-    def prefix_from_reuse(self, seq, kv, images, cfg_on, generator=None):
+    def prefix_from_reuse(self, seq, kv, images, cfg_on, generator=None, **kwargs):
         return super().prefix_from_reuse(dataclasses.replace(seq, neg_reuse_len=seq.pos_reuse_len), kv, images,
-                                         cfg_on, generator)
+                                         cfg_on, generator, **kwargs)
 
 
 def test_negative_control_wrong_uncond_boundary(engine, ar_outputs, recomputed, no_decode):

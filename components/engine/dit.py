@@ -146,26 +146,17 @@ class DiTGenerator:
                 row.timings["dit_step_s"].append(time.perf_counter() - ts)
             return self.finish(row)
 
-    def prepare(self, req: DiTRequest) -> "DenoisingRow":
-        """Everything before the first denoising step: settings, the prefix K/V (reused or
-        recomputed), the initial noise, the scheduler and the step's positions and mask."""
+    def kv_decision(self, req: DiTRequest) -> tuple[Sequence, str]:
+        """The row's DiT sequence, and why its K/V cannot be reused ("" when it can), agreed by
+        every rank of the model copy (one collective, so their later collectives match)."""
         ar = req.ar
         if ar.is_text_only:
             raise ValueError(f"request {ar.id}: a text answer (bot_task auto) has no image to denoise")
         seq = ar.dit_sequence(self.builder)
-        steps, guidance, shift = self.settings(req)
-        distilled = self.model.config.cfg_distilled
-        cfg_on = guidance > 1.0 and not distilled  # Distil takes the scale as a token, one row
-        timings: dict = {"dit_steps": steps, "dit_step_s": []}
-
-        t0 = time.perf_counter()
-        # one stream per request, as the official DiT pass: conditioning-image posterior draws, then noise
-        seed = self.seed(req)
-        generator = request_generator(self.model, seed)
-        kv_path, reason, cache = "recompute", req.absent_reason or "no KV given", None
-        problem = reason
+        problem = req.absent_reason or "no KV given"
         if req.prompt_kv is not None:
             problem = self.check_kv(req.prompt_kv, seq)
+            seed = self.seed(req)
             if not problem and seq.cond_images and ar.seed is not None and seed != ar.seed:
                 # the K/V holds conditioning latents drawn from the AR's stream; a recompute draws them
                 # from this request's stream (official DiT pass)
@@ -173,15 +164,31 @@ class DiTGenerator:
         parallel = getattr(self.model, "parallel", None)
         if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1) \
                 and not parallel.all_true(not problem):
-            # the ranks of a model copy take the same path (their collectives must match)
             problem = problem or "another tensor-parallel rank or pipeline stage could not use its KV part"
-        if req.prompt_kv is not None and problem:
-            reason = problem
-        elif req.prompt_kv is not None:
-            cache = self.prefix_from_reuse(seq, req.prompt_kv, req.images, cfg_on, generator)
+        return seq, problem
+
+    def prepare(self, req: DiTRequest, decision: tuple[Sequence, str] | None = None,
+                stage_sends: list | None = None) -> "DenoisingRow":
+        """Everything before the first denoising step: settings, the prefix K/V (reused or
+        recomputed), the initial noise, the scheduler and the step's positions and mask.
+        `decision`: the row's `kv_decision`, if taken already. `stage_sends` (pipeline stages): the
+        prefix forwards do not wait for the later stages; their hand-offs are added to this list
+        for the caller to wait on, so stage 0 goes on to the next row's prefix meanwhile."""
+        seq, problem = decision or self.kv_decision(req)
+        steps, guidance, shift = self.settings(req)
+        distilled = self.model.config.cfg_distilled
+        cfg_on = guidance > 1.0 and not distilled  # Distil takes the scale as a token, one row
+        timings: dict = {"dit_steps": steps, "dit_step_s": []}
+
+        t0 = time.perf_counter()
+        # one stream per request, as the official DiT pass: conditioning-image posterior draws, then noise
+        generator = request_generator(self.model, self.seed(req))
+        if req.prompt_kv is not None and not problem:
+            cache = self.prefix_from_reuse(seq, req.prompt_kv, req.images, cfg_on, generator, stage_sends=stage_sends)
             kv_path, reason = "reuse", ""
-        if cache is None:
-            cache = self.prefix_from_scratch(seq, req.images, cfg_on, generator)
+        else:
+            cache = self.prefix_from_scratch(seq, req.images, cfg_on, generator, stage_sends=stage_sends)
+            kv_path, reason = "recompute", problem
         timings["dit_prefix_s"] = time.perf_counter() - t0
 
         if req.step_cache > 0 and self.model.pipeline is not None:
@@ -258,16 +265,16 @@ class DiTGenerator:
         return [cond, uncond]
 
     def prefix_from_scratch(self, seq: Sequence, images: list[Image.Image], cfg_on: bool,
-                            generator: torch.Generator | None = None) -> KVCache:
+                            generator: torch.Generator | None = None, stage_sends: list | None = None) -> KVCache:
         """Denoise step 1 of the recompute path: the prefix of both rows from token 0."""
         cond = self._encode(seq, images, 0, generator)
         rows = [ids for ids, _ in self._rows(seq, cfg_on)]
         cache = self.model.new_cache(len(rows), self._capacity(seq))
-        self._prefill(cache, seq, rows, 0, cond)
+        self._prefill(cache, seq, rows, 0, cond, stage_sends)
         return cache
 
     def prefix_from_reuse(self, seq: Sequence, kv: PromptKV, images: list[Image.Image], cfg_on: bool,
-                          generator: torch.Generator | None = None) -> KVCache:
+                          generator: torch.Generator | None = None, stage_sends: list | None = None) -> KVCache:
         """Inject AR K/V and compute only what the AR did not: the cond row after the boundary,
         and the uncond row from its first `<cfg>` on top of the shared prefix."""
         row_specs = self._rows(seq, cfg_on)
@@ -276,7 +283,7 @@ class DiTGenerator:
         for ids, shared in row_specs:
             cache = self.model.new_cache(1, seq.gen_image.timestep_index)
             self._inject(cache, kv, shared)
-            self._prefill(cache, seq, [ids], shared, cond)
+            self._prefill(cache, seq, [ids], shared, cond, stage_sends)
             rows.append(cache)
         return KVCache.from_rows(rows, extra_capacity=seq.gen_image.end - seq.gen_image.timestep_index)
 
@@ -288,8 +295,10 @@ class DiTGenerator:
         cache.length = n
 
     def _prefill(self, cache: KVCache, seq: Sequence, rows: list[list[int]], start: int,
-                 cond: list[EncodedImage]) -> None:
-        """Run tokens [start, <timestep>) of each row on top of the cache's first `start` slots."""
+                 cond: list[EncodedImage], stage_sends: list | None = None) -> None:
+        """Run tokens [start, <timestep>) of each row on top of the cache's first `start` slots.
+        `stage_sends` (pipeline stages): hand this stage's output on without waiting for the later
+        stages (only the K/V they write is needed), adding the hand-off to the list."""
         end = seq.gen_image.timestep_index
         if end <= start:
             return
@@ -300,7 +309,13 @@ class DiTGenerator:
         q = torch.arange(start, end).expand(len(rows), -1)
         k = torch.arange(end).expand(len(rows), -1)
         mask = SlotMask(q, k, blocks[start:end].expand(len(rows), -1), blocks[:end].expand(len(rows), -1))
-        model.forward_layers(x, positions.to(model.device), mask.to(model.device), cache)
+        positions, mask = positions.to(model.device), mask.to(model.device)
+        if stage_sends is not None and model.pipeline is not None:
+            work = model.start_across_stages(
+                x, lambda h: model.forward_layers(h, positions, mask, cache, layers=model.stage_layers), back=False)
+            stage_sends.extend(work.sends)
+        else:
+            model.forward_layers(x, positions, mask, cache)
         cache.commit()
 
     def _encode(self, seq: Sequence, images: list[Image.Image], start: int,

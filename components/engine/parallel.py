@@ -251,6 +251,9 @@ class Sending:
         for work in self.works:
             work.wait()
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
 
 # What goes ahead of a tensor between pipeline stages: [dtype code, ndim, size_0 .. size_5].
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,

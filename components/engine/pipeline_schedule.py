@@ -17,9 +17,11 @@ stage only blocks on receiving its next item, whose sender comes earlier in the 
 deadlock. Stage 0 receives row m's step-i latents while it has M - 1 other items to work on, so with
 M >= stages the pipeline does not drain between steps. Every item is the same computation as
 `DiTGenerator.__call__` does for the row alone (same modules, same inputs), so the images equal the
-row-by-row ones. What is not overlapped: each row's prefix K/V (one forward through the stages,
-`DiTGenerator.prepare`) and the VAE decodes (shared out: row i on stage i mod stages, the pixels
-sent to stage 0, which writes the images).
+row-by-row ones. The rows' prefix K/V (`DiTGenerator.prepare`) go through the stages the same way, one
+row after the other without waiting for the later stages (each stage needs only its own layers' K/V
+of a prefix); every stage first agrees on each row's K/V path, so no collective sits between them.
+The VAE decodes are shared out (row i on stage i mod stages, the pixels sent to stage 0, which
+writes the images).
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ def denoise_rows(dit: DiTGenerator, requests: list[DiTRequest]) -> list[DiTOutpu
         raise ValueError("denoise_rows needs a model in pipeline stages (pipeline_parallel_size > 1)")
     with model.autocast():
         t_prepare = time.perf_counter()
-        rows = [dit.prepare(req) for req in requests]  # prefix K/V: one forward through the stages each
-        t0 = time.perf_counter()
+        # every stage agrees on each row's path first (a collective per row); then the rows' prefix
+        # forwards need none: stage 0 goes on to the next row's prefix while stage 1 runs this one's
+        decisions = [dit.kv_decision(req) for req in requests]
         sends: list = []
+        rows = [dit.prepare(req, decision, stage_sends=sends) for req, decision in zip(requests, decisions)]
+        t0 = time.perf_counter()
         for i in range(max(row.steps for row in rows)):
             for row in rows:
                 if i < row.steps:
