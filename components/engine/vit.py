@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor, nn
-from transformers import Siglip2VisionConfig, Siglip2VisionModel
 
 from .config import ViTConfig
+
+if TYPE_CHECKING:  # transformers' SigLIP2 module takes seconds to import: only where a tower is built
+    from transformers import Siglip2VisionConfig, Siglip2VisionModel
 
 # SigLIP2 normalisation: mean = std = 0.5, i.e. pixels in [-1, 1]
 _MEAN = 0.5
@@ -143,6 +146,8 @@ def preprocess_for_vit(image: Image.Image, settings: ViTProcessorSettings | ViTC
 
 
 def vision_config(cfg: ViTConfig) -> Siglip2VisionConfig:
+    from transformers import Siglip2VisionConfig
+
     config = Siglip2VisionConfig(
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -161,6 +166,8 @@ def vision_config(cfg: ViTConfig) -> Siglip2VisionConfig:
 
 def build_vision_model(cfg: ViTConfig) -> Siglip2VisionModel:
     """The official `vision_model` (SigLIP2 naflex tower), randomly initialised."""
+    from transformers import Siglip2VisionModel
+
     return Siglip2VisionModel(vision_config(cfg))
 
 
