@@ -260,6 +260,10 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     gen = resolve_generation(model, greedy=greedy, **generation)  # also resolves the model
     validators = model_validators(model)  # its tokenizer and resolution buckets load
     check_weights(model, weights, dummy_weights)
+    from components.engine.compile_cache import check_setting  # the engine is imported by now
+
+    if (problem := check_setting()) is not None:
+        raise ConfigError(problem)
     if pipeline_parallel_size > 1:
         check_pipeline_stages(model, pipeline_parallel_size)
     ar = ({"ar_from_run": ar_from_run} if ar_from_run else

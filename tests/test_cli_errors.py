@@ -82,6 +82,14 @@ def test_bad_kernel_settings_in_the_environment(capfd, tmp_path, datasets, monke
     assert "run " not in stdout and not out.exists()
 
 
+def test_a_bad_compile_cache_place_in_the_environment(capfd, tmp_path, datasets, monkeypatch):
+    monkeypatch.setenv("ARDIT_COMPILE_CACHE", "ftp://cache.example/x")
+    out = tmp_path / "out"
+    code, stdout, err = ardit(capfd, "edit", datasets["edit"], "-o", str(out))
+    one_line_error(code, err, "ARDIT_COMPILE_CACHE=ftp://cache.example/x", "s3://bucket/prefix")
+    assert "run " not in stdout and not list(out.glob("*/inputs"))
+
+
 @pytest.mark.parametrize("name", ["ARDIT_STACK_DUMP_S", "ARDIT_RANK_TIMEOUT_S"])
 def test_bad_diagnostic_settings_in_the_environment(capfd, tmp_path, datasets, monkeypatch, name):
     monkeypatch.setenv(name, "soon")

@@ -43,6 +43,20 @@ def cache_setting() -> str:
     return os.environ.get(ENV, "auto").strip() or "auto"
 
 
+def check_setting() -> str | None:
+    """Why ARDIT_COMPILE_CACHE cannot be used (None when it can): for the job's checks, before any work."""
+    setting = cache_setting()
+    if setting in ("auto", "off"):
+        return None
+    from components.data.objectstore import open_object_store
+
+    try:
+        open_object_store(setting)
+    except ValueError as e:
+        return f"{ENV}={setting}: {e}; use auto, off, a directory or s3://bucket/prefix"
+    return None
+
+
 def fingerprint(engine: Any) -> str:
     """What compiled code depends on (see the module docstring), hashed: one cache per such tuple."""
     import torch
@@ -176,7 +190,12 @@ def attach(output: str, engine: Any, log: bool = True) -> CompileCache | None:
         from components.data.objectstore import open_object_store
 
         local_dir = Path(tempfile.gettempdir()) / "ardit-compile-cache" / fp / rank_name(engine)
-        cache = CompileCache(open_object_store(root), key, local_dir, log=log)
+        try:
+            store = open_object_store(root)
+        except ValueError as e:  # a step run without the job's checks: compiles, never a failed step
+            print(f"compile cache: off ({ENV}={setting}: {e})", file=sys.stderr, flush=True)
+            return None
+        cache = CompileCache(store, key, local_dir, log=log)
         cache.restore()
         _attached[(root, key)] = cache
     return _attached[(root, key)]
