@@ -224,8 +224,9 @@ def dit_killing_stage1(device: str, parallel, **kwargs) -> dict:
 
 
 def pipeline_group(outdir: str, device: str, parallel) -> None:
-    """Three tiny rows (two prompts, two image sizes, T2I and IT2I) denoised together through the
-    pipeline wavefront and, on the same engine, row by row; writes both latents per row."""
+    """Four tiny rows (prompts, two image sizes, T2I and IT2I; the last one without its K/V, so it
+    recomputes its prefix and encodes its image) denoised together through the pipeline wavefront
+    and, on the same engine, row by row; writes both latents per row."""
     import pickle
 
     import torch
@@ -243,11 +244,14 @@ def pipeline_group(outdir: str, device: str, parallel) -> None:
                          pipeline_parallel_size=parallel.pp_size, parallel=parallel)
     image = random_image(96, 64)
     asks = [ARRequest("a", "a red cat on a sofa", [image], seed=1), ARRequest("b", "a blue boat", [], seed=2),
-            ARRequest("c", "a green hill at dawn", [], image_size=(64, 96), seed=3)]
+            ARRequest("c", "a green hill at dawn", [], image_size=(64, 96), seed=3),
+            ARRequest("d", "a yellow kite over a beach", [image], seed=4)]
     ars = engine.generate_ar(asks, SamplingParams(temperature=0.0, max_new_tokens=6))
 
     def requests():
-        return [DiTRequest(ar, ask.images, ar.prompt_kv, steps=3, guidance_scale=5.0) for ar, ask in zip(ars, asks)]
+        return [DiTRequest(ar, ask.images, ar.prompt_kv if ask.id != "d" else None,
+                           "KV left out by the test" if ask.id == "d" else "", steps=3, guidance_scale=5.0)
+                for ar, ask in zip(ars, asks)]
 
     together = denoise_rows(engine.dit, requests())
     alone = [engine.dit(r) for r in requests()]

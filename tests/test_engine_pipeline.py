@@ -152,15 +152,16 @@ def test_kv_moves_between_pipeline_and_one_process(single, tmp_path):
 
 @pytest.mark.slow
 def test_the_wavefront_over_rows_equals_row_by_row(tmp_path):
-    """Three rows (different prompts and sizes) denoised together through the pipeline schedule
-    give exactly the latents and images each gets alone (stage 0 writes the images stage 1 decoded);
-    the rows differ, so a row given another's latents, cache or step would show."""
+    """Four rows (different prompts and sizes, one recomputing its prefix) denoised together through
+    the pipeline schedule give exactly the latents and images each gets alone (stage 0 writes the
+    images stage 1 decoded; the prefixes go through the stages without waiting); the rows differ,
+    so a row given another's latents, cache or step would show."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     run_on_ranks("tests.parallel_targets:pipeline_group", {"outdir": str(tmp_path)}, world_size=1, device="cpu",
                  pipeline_parallel_size=2)
     for stage in range(2):
         out = pickle.load(open(tmp_path / f"rank{stage}_0.pkl", "rb"))
-        assert out["paths"] == ["reuse"] * 3 and out["in_flight"] == 3
+        assert out["paths"] == ["reuse"] * 3 + ["recompute"] and out["in_flight"] == 4
         for together, alone in zip(out["together"], out["alone"]):
             assert torch.equal(together, alone)
         # the VAE decodes are shared out (row i on stage i mod 2); stage 0 gets every image
