@@ -197,23 +197,58 @@ def fake_gpus() -> list[float] | None:
                           "(test-only; unset it)") from None
 
 
-def free_gpu_memory(device_ids: list[int], in_process: bool) -> list[float]:
+class FreeMemoryProbe:
+    """Free bytes of every visible GPU, asked by a short child process, so this process never holds a
+    CUDA context on GPUs its ranks use. Started early in the job's checks: its own torch import (3.7 s
+    on the H100 machine) runs beside theirs."""
+
+    CODE = "import json,torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]))"
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+
+    @classmethod
+    def start(cls, device: str) -> "FreeMemoryProbe | None":
+        """A probe where the job may run on NVIDIA GPUs (not for --device cpu or pretend GPUs)."""
+        from pathlib import Path
+
+        if device == "cpu" or fake_gpus() is not None or not Path("/dev/nvidiactl").exists():
+            return None
+        return cls()
+
+    def result(self, device_ids: list[int]) -> list[float]:
+        """Free bytes of these GPUs; [] when the probe could not tell (then no check: the load will say)."""
+        import json
+        import subprocess
+
+        try:
+            out, _ = self.proc.communicate(timeout=300)
+            free = json.loads(out.strip().splitlines()[-1]) if self.proc.returncode == 0 else []
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            self.cancel()
+            return []
+        return [float(free[i]) for i in device_ids] if all(i < len(free) for i in device_ids) else []
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def free_gpu_memory(device_ids: list[int], in_process: bool, probe: FreeMemoryProbe | None = None) -> list[float]:
     """Free bytes of each GPU. `in_process`: this process will use the GPU itself anyway; otherwise
-    a short child process asks, so this one never holds a CUDA context on GPUs its ranks use."""
+    a short child process asks (`probe`, if one was started already)."""
     fake = fake_gpus()
     if fake is not None:
         return [fake[i] for i in device_ids]
     if in_process:
+        if probe is not None:
+            probe.cancel()
         import torch
 
         return [float(torch.cuda.mem_get_info(i)[0]) for i in device_ids]
-    import json
-    import subprocess
-    import sys
-
-    code = ("import json,sys,torch; print(json.dumps([torch.cuda.mem_get_info(int(i))[0] for i in sys.argv[1:]]))")
-    out = subprocess.run([sys.executable, "-c", code, *map(str, device_ids)], capture_output=True, text=True,
-                         timeout=300)
-    if out.returncode != 0:
-        return []  # cannot tell: no check (the load itself will say)
-    return [float(v) for v in json.loads(out.stdout.strip().splitlines()[-1])]
+    return (probe or FreeMemoryProbe()).result(device_ids)

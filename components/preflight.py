@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from components.errors import ConfigError, missing_extra
+from components.fit import FreeMemoryProbe
 
 
 def check_dataset(dataset: str, kind: str):
@@ -172,12 +173,15 @@ def parallel_layout(device: str, tensor_parallel_size: int, pipeline_parallel_si
 
 def check_memory(*, model: str, device: str, gpus: int | None, data_parallel_size: int, tensor_parallel_size: int,
                  pipeline_parallel_size: int, quantization: str | None, weights: str | None, dtype: str | None,
-                 kind: str, generation: dict[str, Any]) -> None:
-    """One model copy fits the free memory of every GPU the job uses (CUDA only; components.fit)."""
+                 kind: str, generation: dict[str, Any], probe: Any = None) -> None:
+    """One model copy fits the free memory of every GPU the job uses (CUDA only; components.fit).
+    `probe`: a FreeMemoryProbe started earlier, if any."""
     from components.fit import check_fit, free_gpu_memory
     from components.steps import describe_model
 
     if not device.startswith("cuda"):
+        if probe is not None:
+            probe.cancel()
         return
     if weights is not None:
         from components.engine.quant import is_fp8_checkpoint
@@ -186,7 +190,7 @@ def check_memory(*, model: str, device: str, gpus: int | None, data_parallel_siz
     world = tensor_parallel_size * pipeline_parallel_size
     ids = [int(device.partition(":")[2])] if ":" in device else list(range(data_parallel_size * world))
     in_process = data_parallel_size == 1 and world == 1  # this process loads the engine itself
-    free = free_gpu_memory(ids, in_process)
+    free = free_gpu_memory(ids, in_process, probe)
     if not free:
         return
     distilled = describe_model(model)[1].cfg_distilled
@@ -256,6 +260,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     if kv_url is not None:
         check_kv_url(kv_url)
     check_cuda_present(device)
+    probe = FreeMemoryProbe.start(device)  # asks the GPUs' free memory beside the checks below
     # the model: its config, tokenizer and weights files
     gen = resolve_generation(model, greedy=greedy, **generation)  # also resolves the model
     validators = model_validators(model)  # its tokenizer and resolution buckets load
@@ -281,7 +286,9 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
                      data_parallel_size=dp if device.startswith("cuda") else 1,
                      tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                      quantization=quantization, weights=weights, dtype=dtype, kind=kind,
-                     generation=gen)
+                     generation=gen, probe=probe)
+    elif probe is not None:
+        probe.cancel()
     if kv_url is not None and not finished and kv_url.startswith("mooncake://"):
         check_kv_store(kv_url)  # its servers answer (an embedded store was checked above)
     return {"device": device, "data_parallel_size": dp, "generation": gen, "validators": validators,

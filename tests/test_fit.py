@@ -143,3 +143,22 @@ def test_cli_pp_and_dp_must_be_positive(tmp_path, capfd, option):
     assert cli.main(["edit", str(data), "-o", str(tmp_path / "out"), "--device", "cpu", option, "0"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "must be a whole number >= 1" in err[0]
+
+
+def test_the_free_memory_probe_says_what_it_cannot_tell(monkeypatch):
+    """The early probe (a child process asking torch) gives [] for GPUs it does not see, so the job
+    goes on unchecked rather than failing; it is not started for the CPU or for pretend GPUs."""
+    from components.fit import FreeMemoryProbe
+
+    assert FreeMemoryProbe.start("cpu") is None
+    monkeypatch.setenv("ARDIT_FAKE_GPU_MEMORY", "80e9x2")
+    assert FreeMemoryProbe.start("cuda") is None
+    probe = FreeMemoryProbe()  # on this machine's GPUs, if any: free bytes, one per visible device
+    import torch
+
+    seen = probe.result(list(range(torch.cuda.device_count())))
+    assert len(seen) == torch.cuda.device_count() and all(v > 0 for v in seen)
+    assert FreeMemoryProbe().result([torch.cuda.device_count()]) == []  # a GPU it does not see
+    slow = FreeMemoryProbe()
+    slow.cancel()
+    assert slow.proc.returncode is not None
