@@ -213,6 +213,18 @@ def visible_gpus(device: str) -> int | None:
     return torch.cuda.device_count()
 
 
+# Rows a shard holds at most under --num-shards auto: its AR batch fills the GPU (about 40 rows of
+# 1024x1024 edits in flight on an H200 at FP8), and the K/V it leaves for its DiT step (up to ~0.7 GB
+# a row) stays a few tens of GB in the embedded store.
+ROWS_PER_SHARD = 64
+
+
+def auto_num_shards(rows: int, data_parallel_size: int) -> int:
+    """--num-shards auto: at least one shard per model copy (every GPU busy) and at most
+    ROWS_PER_SHARD rows a shard; 2 for small datasets (as before); never more shards than rows."""
+    return max(1, min(rows, max(2, data_parallel_size, -(-rows // ROWS_PER_SHARD))))
+
+
 def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: int, model: str,
               weights: str | None, dummy_weights: bool, tensor_parallel_size: int, quantization: str | None,
               kv_store: str | None, kv_reuse: bool, device: str, dtype: str | None, seed: int, batch_size: int,
@@ -239,8 +251,8 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
 
     if kind not in KINDS:
         raise ConfigError(f"kind {kind!r}: must be one of {', '.join(KINDS)}")
-    if not (isinstance(num_shards, int) and num_shards >= 1):
-        raise ConfigError(f"--num-shards {num_shards!r}: must be a whole number >= 1")
+    if num_shards != "auto" and not (isinstance(num_shards, int) and num_shards >= 1):
+        raise ConfigError(f"--num-shards {num_shards!r}: must be auto or a whole number >= 1")
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          seed=seed, batch_size=batch_size, device=device, step_cache=step_cache,
                          pipeline_parallel_size=pipeline_parallel_size)
@@ -276,11 +288,14 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache)
     layout.check_settings("ar", ar)  # a resumed run: same settings, or a clear refusal
     layout.check_settings("dit", dit)
-    manifest = check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
-    finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
     device = resolve_device(device)
     gpus = visible_gpus(device)
     dp = parallel_layout(device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, gpus)
+    if num_shards == "auto":  # a resumed run keeps its sharding, wherever it resumes
+        num_shards = (layout.read_json(layout.manifest_key) or {}).get("num_shards") or \
+            auto_num_shards(source.num_rows, dp)
+    manifest = check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
+    finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
     if not finished:
         check_memory(model=model, device=device if gpus is None or device.startswith("cuda") else "cuda", gpus=gpus,
                      data_parallel_size=dp if device.startswith("cuda") else 1,
@@ -292,4 +307,4 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     if kv_url is not None and not finished and kv_url.startswith("mooncake://"):
         check_kv_store(kv_url)  # its servers answer (an embedded store was checked above)
     return {"device": device, "data_parallel_size": dp, "generation": gen, "validators": validators,
-            "settings": {"ar": ar, "dit": dit}, "layout": layout, "finished": finished}
+            "settings": {"ar": ar, "dit": dit}, "layout": layout, "finished": finished, "num_shards": num_shards}

@@ -255,6 +255,14 @@ def batch_size_value(text: str) -> int | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
+def num_shards_value(text: str | int) -> int | str:
+    """--num-shards as the CLI takes it: "auto" or a whole number (checked by check_job)."""
+    text = str(text).strip()
+    if text.lower() in ("", "auto"):
+        return "auto"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def quantization_option(value: str | None) -> str | None:
     """The quantization a job runs with: None for "none" (or ""), else the value as given (checked
     by check_engine_options). The one place where "none" is read, so every entry (`ardit edit

@@ -51,7 +51,8 @@ Output = Annotated[str, typer.Option("--output", "-o", help="output root: a dire
 RunId = Annotated[Optional[str], typer.Option(
     "--run-id", help="name of the run; pass an existing one to resume it (default: a new id, printed with the "
     "command that resumes it)")]
-Shards = Annotated[int, typer.Option("--num-shards", help="shards to split the dataset into")]
+Shards = Annotated[str, typer.Option("--num-shards", help="shards to split the dataset into: auto (at least one "
+                                     "per model copy, at most 64 rows a shard, 2 for small datasets) or a number")]
 KVStore = Annotated[Optional[str], typer.Option(
     "--kv-store", help="mooncake://host:port?metadata=... (see `ardit store up`); default: a local directory "
     "beside the outputs")]
@@ -191,7 +192,7 @@ def _print_summary(summary: dict, output: str, run_id: str) -> None:
 def _job_command(kind: str):
     def command(
         dataset: Dataset,
-        output: Output = "outputs", run_id: RunId = None, num_shards: Shards = 2, kv_store: KVStore = None,
+        output: Output = "outputs", run_id: RunId = None, num_shards: Shards = "auto", kv_store: KVStore = None,
         model: Model = "tiny", weights: Weights = None, dummy_weights: DummyWeights = False,
         tensor_parallel_size: TP = 1, pipeline_parallel_size: PP = 1, data_parallel_size: DP = None,
         quantization: Quantization = None, dtype: Dtype = None, device: Device = "auto", steps: Steps = None,
@@ -202,10 +203,10 @@ def _job_command(kind: str):
         batch_invariant: BatchInvariant = False, gpu_memory_utilization: GpuMemoryUtilization = 0.9,
         max_num_batched_tokens: MaxNumBatchedTokens = None,
     ) -> None:
-        from components.steps import batch_size_value
+        from components.steps import batch_size_value, num_shards_value
 
-        _run(kind, dataset, output, run_id, num_shards=num_shards, kv_store=kv_store, model=model, weights=weights,
-             dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
+        _run(kind, dataset, output, run_id, num_shards=num_shards_value(num_shards), kv_store=kv_store, model=model,
+             weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
              pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
              quantization=quantization, dtype=dtype, device=device, steps=steps, guidance=guidance,
              flow_shift=flow_shift, bot_task=bot_task,

@@ -27,7 +27,7 @@ class ReplicasFailed(RuntimeError):
     """Every data-parallel replica failed; the shards left were not committed (a re-run resumes)."""
 
 
-def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_shards: int = 1,
+def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_shards: int | str = 1,
             model: str = "tiny", weights: str | None = None, dummy_weights: bool = False,
             tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int | None = None,
             quantization: str | None = None, kv_store: str | None = None,
@@ -74,7 +74,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
         on_start()
     count_tokens, is_supported_size, max_prompt_tokens = plan["validators"]
     t0 = time.perf_counter()
-    manifest = run_shard(dataset, output, run_id, num_shards, kind, count_tokens=count_tokens,
+    manifest = run_shard(dataset, output, run_id, plan["num_shards"], kind, count_tokens=count_tokens,
                          is_supported_size=is_supported_size, max_prompt_tokens=max_prompt_tokens)
     layout.remember_settings("ar", plan["settings"]["ar"])
     layout.remember_settings("dit", plan["settings"]["dit"])
