@@ -43,6 +43,11 @@ _TMP = ".tmp-"
 # start and `ardit store gc` remove them. `local:///dir?ttl=12h` sets another.
 DEFAULT_TTL_S = 24 * 3600.0
 
+# A put that would leave less than this free on the store's disk is refused: the row's DiT step
+# recomputes its prefix (the reason is recorded), and the K/V of a big shard never fills the disk
+# that the images and records are written to.
+MIN_FREE_BYTES = 4 << 30
+
 
 class LocalStore(KVStore):
     def __init__(self, root: str | os.PathLike, ttl_s: float = DEFAULT_TTL_S):
@@ -75,11 +80,13 @@ class LocalStore(KVStore):
             ) from e
         tmp = path.parent / f"{_TMP}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
+            enc = StreamEncoding(kv) if isinstance(kv, PromptKV) else None
+            size = enc.data_offset + enc.data_len if enc is not None else as_u8(kv).nbytes
+            self._check_room(key, size)
             with open(tmp, "wb") as f:
-                if isinstance(kv, PromptKV):
+                if enc is not None:
                     # tensors first (no staging copy) while the pool computes their crc32s,
                     # then the header into the hole left for it
-                    enc = StreamEncoding(kv)
                     f.seek(enc.data_offset)
                     f.writelines(memoryview(v) for v in enc.views)
                     f.seek(0)
@@ -100,6 +107,15 @@ class LocalStore(KVStore):
             raise StoreError(f"put {key!r} into {self.root}: {e}") from e
         self.last = {"write_s": time.perf_counter() - t0}
         return size
+
+    def _check_room(self, key: str, size: int) -> None:
+        free = shutil.disk_usage(self.root).free
+        if free - size < MIN_FREE_BYTES:
+            raise StoreError(
+                f"put {key!r}: {size / 2**30:.2f} GiB would leave {max(free - size, 0) / 2**30:.1f} GiB free "
+                f"on the disk of {self.root} (the store keeps {MIN_FREE_BYTES / 2**30:.0f} GiB free); the DiT "
+                "step recomputes this row's prefix. Give the store more room: --kv-store local:///a/bigger/disk, "
+                "or fewer rows a shard (--num-shards)")
 
     # ------------------------------------------------------------ read
 
