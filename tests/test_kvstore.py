@@ -302,36 +302,44 @@ def test_local_store_has_a_ttl_and_the_dit_step_expires_orphans_at_start(tmp_pat
 
 
 def test_local_store_refuses_a_put_that_would_fill_its_disk(tmp_path, run, monkeypatch):
-    """The embedded store keeps MIN_FREE_BYTES free: a put that would eat into them fails (the row's
-    DiT recomputes) and leaves nothing behind; one that fits is stored."""
+    """The embedded store keeps MIN_FREE_BYTES free (a tenth of the free space on a small disk): a
+    put that would eat into them fails (the row's DiT recomputes) and leaves nothing behind; one
+    that fits is stored; `?min_free=` sets the reserve."""
     import shutil
 
     from components.kvstore import local
     from components.kvstore.base import StoreError
 
-    s = open_store(str(tmp_path))
-    kv = make_kv()
     real = shutil.disk_usage
-    monkeypatch.setattr(local.shutil, "disk_usage",
-                        lambda path: real(path)._replace(free=local.MIN_FREE_BYTES + 1000))
+    free = {"now": 100 << 30}
+    monkeypatch.setattr(local.shutil, "disk_usage", lambda path: real(path)._replace(free=free["now"]))
+    s = open_store(str(tmp_path))
+    assert s.min_free_bytes == local.MIN_FREE_BYTES
+    kv = make_kv()
+    free["now"] = local.MIN_FREE_BYTES + 1000
     with pytest.raises(StoreError, match=r"GiB free on the disk of .*--kv-store local:///a/bigger/disk"):
         s.put(f"{run}/0/big", kv)
     assert s.keys() == [] and not [p for p in tmp_path.rglob("*") if p.is_file()]
-    monkeypatch.setattr(local.shutil, "disk_usage", lambda path: real(path)._replace(free=local.MIN_FREE_BYTES * 2))
+    free["now"] = 2 * local.MIN_FREE_BYTES
     assert s.put(f"{run}/0/fits", kv) > 0 and s.get(f"{run}/0/fits").ok
+    free["now"] = 300 << 20  # a small disk: a tenth of it is kept free, small payloads still go in
+    small = open_store(str(tmp_path / "small"))
+    assert small.min_free_bytes == 30 << 20 and small.put(f"{run}/0/small", kv) > 0
+    assert open_store(f"local://{tmp_path}/set?min_free=20G").min_free_bytes == 20 << 30
+    with pytest.raises(ValueError, match="min_free"):
+        open_store(f"local://{tmp_path}/bad?min_free=lots")
 
 
-def test_a_full_kv_disk_makes_rows_recompute_not_fail(tmp_path, monkeypatch):
+def test_a_full_kv_disk_makes_rows_recompute_not_fail(tmp_path):
     """A job whose embedded store has no room: every row still ends ok, recomputed, saying why."""
     from components.data.runs import RunLayout
     from components.data.sample import write_sample_edit_dataset
-    from components.kvstore import local
     from pipeline.local import run_job
 
-    monkeypatch.setattr(local, "MIN_FREE_BYTES", 1 << 60)  # no disk has that much free
     dataset = write_sample_edit_dataset(tmp_path / "edit.parquet", n=2)
     summary = run_job(str(dataset), str(tmp_path / "out"), "full", num_shards=1, model="tiny", device="cpu",
-                      steps=2, max_new_tokens=4, temperature=0.0, progress=False)
+                      steps=2, max_new_tokens=4, temperature=0.0, progress=False,
+                      kv_store=f"local://{tmp_path}/kv?min_free=1000000G")  # no disk has that much free
     assert summary["rows_failed"] == 0 and summary["rows_ok"] == 2
     rows = RunLayout.open(str(tmp_path / "out"), "full").read_rows(0).to_pylist()
     assert [r["kv_path"] for r in rows] == ["recompute"] * 2

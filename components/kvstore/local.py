@@ -45,12 +45,13 @@ DEFAULT_TTL_S = 24 * 3600.0
 
 # A put that would leave less than this free on the store's disk is refused: the row's DiT step
 # recomputes its prefix (the reason is recorded), and the K/V of a big shard never fills the disk
-# that the images and records are written to.
+# that the images and records are written to. On a disk with less than 10x this free when the store
+# opens, a tenth of that (small jobs on small disks still reuse). `local:///dir?min_free=20G` sets it.
 MIN_FREE_BYTES = 4 << 30
 
 
 class LocalStore(KVStore):
-    def __init__(self, root: str | os.PathLike, ttl_s: float = DEFAULT_TTL_S):
+    def __init__(self, root: str | os.PathLike, ttl_s: float = DEFAULT_TTL_S, min_free_bytes: int | None = None):
         self.root = Path(root).expanduser().absolute()
         self.url = f"local://{self.root}"
         self.ttl_s = ttl_s
@@ -60,6 +61,9 @@ class LocalStore(KVStore):
             raise StoreError(
                 f"local store {self.root}: cannot create the directory: {e}"
             ) from e
+        if min_free_bytes is None:
+            min_free_bytes = min(MIN_FREE_BYTES, shutil.disk_usage(self.root).free // 10)
+        self.min_free_bytes = min_free_bytes
         self.last: dict[
             str, float
         ] = {}  # seconds spent in the phases of the last put/get
@@ -110,12 +114,12 @@ class LocalStore(KVStore):
 
     def _check_room(self, key: str, size: int) -> None:
         free = shutil.disk_usage(self.root).free
-        if free - size < MIN_FREE_BYTES:
+        if free - size < self.min_free_bytes:
             raise StoreError(
-                f"put {key!r}: {size / 2**30:.2f} GiB would leave {max(free - size, 0) / 2**30:.1f} GiB free "
-                f"on the disk of {self.root} (the store keeps {MIN_FREE_BYTES / 2**30:.0f} GiB free); the DiT "
-                "step recomputes this row's prefix. Give the store more room: --kv-store local:///a/bigger/disk, "
-                "or fewer rows a shard (--num-shards)")
+                f"put {key!r}: {size / 2**30:.2f} GiB would leave {max(free - size, 0) / 2**30:.2f} GiB free "
+                f"on the disk of {self.root} (the store keeps {self.min_free_bytes / 2**30:.2f} GiB free); the "
+                "DiT step recomputes this row's prefix. Give the store more room: --kv-store "
+                "local:///a/bigger/disk, or fewer rows a shard (--num-shards)")
 
     # ------------------------------------------------------------ read
 
