@@ -202,7 +202,8 @@ class FreeMemoryProbe:
     CUDA context on GPUs its ranks use. Started early in the job's checks: its own torch import (3.7 s
     on the H100 machine) runs beside theirs."""
 
-    CODE = "import json,torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]))"
+    CODE = ("import json,torch; "
+            "print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]))")
 
     def __init__(self) -> None:
         import subprocess

@@ -73,7 +73,8 @@ def fingerprint(engine: Any) -> str:
     parallel = getattr(engine.model, "parallel", None)
     layout = (parallel.world_size, parallel.pp_size) if parallel is not None else (1, 1)
     parts = (torch.__version__, torch.version.cuda, triton_version, gpu, engine.config_hash,
-             str(engine.model.dtype), getattr(engine.model, "quantization", None), layout, kernels.settings().describe())
+             str(engine.model.dtype), getattr(engine.model, "quantization", None), layout,
+             kernels.settings().describe())
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
@@ -122,7 +123,8 @@ class CompileCache:
                     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
                         tar.extractall(self.local_dir, filter="data")
                 except (tarfile.TarError, OSError) as e:
-                    self._say(f"could not unpack {self.key} ({type(e).__name__}: {e}); compiling from scratch", problem=True)
+                    self._say(f"could not unpack {self.key} ({type(e).__name__}: {e}); compiling from scratch",
+                              problem=True)
         self.point_compilers_here()
         self.files_at_restore = self._files()
         if data:

@@ -8,7 +8,8 @@ from components.kvstore.base import KVStore, parse_query
 
 
 def open_store(url: str | None = None) -> KVStore:
-    """`local:///dir[?ttl=24h&min_free=4G]` or a plain path -> LocalStore; `mooncake://HOST:PORT?...` -> MooncakeStore."""
+    """`local:///dir[?ttl=24h&min_free=4G]` or a plain path -> LocalStore;
+    `mooncake://HOST:PORT?...` -> MooncakeStore."""
     path = local_path(url)
     if path is None:
         from components.kvstore.mooncake import MooncakeStore  # lazy: needs the mooncake wheel
