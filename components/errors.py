@@ -19,7 +19,7 @@ EXTRAS = {
     "hera": "orchestration",
     "kubernetes": "orchestration",
     "skimage": "sweep",
-    "matplotlib": "sweep",
+    "matplotlib": "report",
 }
 
 

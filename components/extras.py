@@ -1,8 +1,8 @@
 """Optional extras: a missing one is reported in one line naming the `pip install 'ardit[...]'` that
 brings it, never as a bare ImportError.
 
-    require_extra("sweep", "ardit report")          # up front, before any work (no import cost)
-    with needs_extra("sweep", "ardit report"):      # around the lazy imports of a command
+    require_extra("sweep", "ardit sweep")           # up front, before any work (no import cost)
+    with needs_extra("report", "ardit report"):     # around the lazy imports of a command
         from components.report.render import write_report
 
 Both raise `MissingExtra` (an ImportError); a command prints `str(exc)` and exits 2.
@@ -19,6 +19,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     "s3": {"boto3": "boto3", "botocore": "botocore"},
     "mooncake": {"mooncake": "mooncake-transfer-engine"},
     "orchestration": {"kfp": "kfp", "hera": "hera", "kubernetes": "kubernetes"},
+    "report": {"matplotlib": "matplotlib"},  # before sweep: the smallest extra that brings matplotlib
     "sweep": {"skimage": "scikit-image", "matplotlib": "matplotlib"},
 }
 

@@ -193,7 +193,7 @@ def test_missing_extra_names_the_pip_command(capfd, tmp_path, datasets, monkeypa
 def test_missing_extra_mapping():
     from components.errors import missing_extra
 
-    for module, extra in [("mooncake.store", "mooncake"), ("skimage", "sweep"), ("matplotlib.pyplot", "sweep"),
+    for module, extra in [("mooncake.store", "mooncake"), ("skimage", "sweep"), ("matplotlib.pyplot", "report"),
                           ("hera.workflows", "orchestration"), ("botocore.config", "s3")]:
         msg = str(missing_extra(ModuleNotFoundError(f"No module named {module!r}", name=module), "x"))
         assert f"pip install 'ardit[{extra}]'" in msg, msg

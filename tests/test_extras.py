@@ -59,11 +59,11 @@ def test_every_extra_is_declared_in_pyproject() -> None:
     assert set(EXTRAS) <= set(declared)
 
 
-def test_report_commands_without_the_sweep_extra(tmp_path: Path) -> None:
+def test_report_commands_without_the_report_extra(tmp_path: Path) -> None:
     cli = "from pipeline.sweep import app; app(prog_name='ardit')"
-    _assert_one_line(_run_without(["matplotlib"], cli, "report", str(tmp_path)), "sweep")
+    _assert_one_line(_run_without(["matplotlib"], cli, "report", str(tmp_path)), "report")
     step = "from components.report.__main__ import main; sys.exit(main())"
-    _assert_one_line(_run_without(["matplotlib"], step, "--sweep-dir", str(tmp_path)), "sweep")
+    _assert_one_line(_run_without(["matplotlib"], step, "--sweep-dir", str(tmp_path)), "report")
 
 
 def test_evaluate_step_without_the_sweep_extra(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rows", type=int, default=24, help="rows shown as image grids, worst first")
     a = p.parse_args(argv)
     try:
-        with needs_extra("sweep", "python -m components.report"):
+        with needs_extra("report", "python -m components.report"):
             from components.report.run import run
         path = run(a.sweep_dir, a.out, a.max_rows)
     except (MissingExtra, FileNotFoundError) as exc:

@@ -89,7 +89,7 @@ def make_app(job_runner: Callable[[], JobRunner]) -> typer.Typer:
         """Write the self-contained HTML report of a job run (inputs, outputs, CoT, error rows, time) or
         of a finished sweep."""
         try:
-            with needs_extra("sweep", "ardit report"):
+            with needs_extra("report", "ardit report"):
                 from components.report.job import is_job_run, write_job_report
                 from components.report.render import write_report
         except MissingExtra as exc:
