@@ -253,13 +253,18 @@ def pipeline_group(outdir: str, device: str, parallel) -> None:
                            "KV left out by the test" if ask.id == "d" else "", steps=3, guidance_scale=5.0)
                 for ar, ask in zip(ars, asks)]
 
+    vae = engine.model.vae
+    encode, encodes = vae.encode, []
+    vae.encode = lambda *a, **k: (encodes.append(1), encode(*a, **k))[1]  # this stage's VAE encodes
     together = denoise_rows(engine.dit, requests())
+    vae.encode = encode
     alone = [engine.dit(r) for r in requests()]
     with open(f"{outdir}/rank{parallel.pp_rank}_{parallel.rank}.pkl", "wb") as f:
         pickle.dump({"together": [o.latents for o in together], "alone": [o.latents for o in alone],
                      "images": [None if o.image is None else np.asarray(o.image) for o in together],
                      "alone_images": [np.asarray(o.image) for o in alone],
-                     "paths": [o.kv_path for o in together], "in_flight": together[0].timings["dit_rows_in_flight"]},
+                     "paths": [o.kv_path for o in together], "in_flight": together[0].timings["dit_rows_in_flight"],
+                     "vae_encodes": len(encodes)},
                     f)
 
 

@@ -162,6 +162,8 @@ def test_the_wavefront_over_rows_equals_row_by_row(tmp_path):
     for stage in range(2):
         out = pickle.load(open(tmp_path / f"rank{stage}_0.pkl", "rb"))
         assert out["paths"] == ["reuse"] * 3 + ["recompute"] and out["in_flight"] == 4
+        # the recomputed row's image is encoded by stage 0 only (stage 1 receives hidden states)
+        assert out["vae_encodes"] == (1 if stage == 0 else 0), (stage, out["vae_encodes"])
         for together, alone in zip(out["together"], out["alone"]):
             assert torch.equal(together, alone)
         # the VAE decodes are shared out (row i on stage i mod 2); stage 0 gets every image

@@ -184,7 +184,8 @@ class DiTGenerator:
         # one stream per request, as the official DiT pass: conditioning-image posterior draws, then noise
         generator = request_generator(self.model, self.seed(req))
         if req.prompt_kv is not None and not problem:
-            cache = self.prefix_from_reuse(seq, req.prompt_kv, req.images, cfg_on, generator, stage_sends=stage_sends)
+            cache = self.prefix_from_reuse(seq, req.prompt_kv, req.images, cfg_on, generator,
+                                           stage_sends=stage_sends)
             kv_path, reason = "reuse", ""
         else:
             cache = self.prefix_from_scratch(seq, req.images, cfg_on, generator, stage_sends=stage_sends)
@@ -200,7 +201,8 @@ class DiTGenerator:
                             step_cache=FirstBlockCache(req.step_cache) if req.step_cache > 0 else None,
                             meanflow=self.model.config.use_meanflow)
 
-    def finish(self, row: "DenoisingRow", pixels: torch.Tensor | None = None, want_image: bool = True) -> DiTOutput:
+    def finish(self, row: "DenoisingRow", pixels: torch.Tensor | None = None,
+               want_image: bool = True) -> DiTOutput:
         """The denoised latents -> the image (VAE decode, unless `pixels` come decoded from another
         pipeline stage; official output size alignment). `want_image=False`: no image (a pipeline
         stage that neither decodes nor writes this row)."""
@@ -303,7 +305,8 @@ class DiTGenerator:
         if end <= start:
             return
         model = self.model
-        x = torch.stack([embed_span(model, ids, seq, start, end, cond) for ids in rows])
+        x = None if self._later_stage() else torch.stack([embed_span(model, ids, seq, start, end, cond)
+                                                          for ids in rows])
         positions = seq.positions()[start:end].expand(len(rows), -1, -1)
         blocks = seq.block_ids()
         q = torch.arange(start, end).expand(len(rows), -1)
@@ -320,16 +323,23 @@ class DiTGenerator:
 
     def _encode(self, seq: Sequence, images: list[Image.Image], start: int,
                 generator: torch.Generator | None = None) -> list[EncodedImage]:
-        """Encode conditioning images only if some image block lies in the span we compute; else
-        advance the request's stream past the draws the encoding would take."""
+        """Encode conditioning images only if some image block lies in the span we compute and this
+        process embeds it (a later pipeline stage receives hidden states); else advance the
+        request's stream past the draws the encoding would take."""
         if generator is None:
             generator = request_generator(self.model, 0)
-        if not any(slot.end > start for slot in seq.cond_images):
+        needed = any(slot.end > start for slot in seq.cond_images)
+        if needed and len(images) != len(seq.cond_images):  # on every stage alike
+            raise ValueError(f"sequence has {len(seq.cond_images)} conditioning images, got {len(images)}")
+        if not needed or self._later_stage():
             skip_cond_draws(self.model, [(slot.h, slot.w) for slot in seq.cond_images], generator)
             return []
-        if len(images) != len(seq.cond_images):
-            raise ValueError(f"sequence has {len(seq.cond_images)} conditioning images, got {len(images)}")
         return encode_cond_images(self.model, self.builder, images, seq.infer_align_image_size, generator)
+
+    def _later_stage(self) -> bool:
+        """A pipeline stage after the first: it receives hidden states, so it embeds no tokens."""
+        pp = self.model.pipeline
+        return pp is not None and pp.pp_rank > 0
 
     @staticmethod
     def _capacity(seq: Sequence) -> int:
