@@ -246,19 +246,12 @@ def check_generation_options(*, steps=None, guidance=None, flow_shift=None, bot_
         raise _bad("--top-p", top_p, "must be a number in (0, 1]")
 
 
-def batch_size_value(text: str) -> int | str:
-    """--batch-size as the step programs and the CLI take it: "auto" or a whole number (checked by
-    check_engine_options)."""
+def auto_or_int(text: str | int) -> int | str:
+    """An option that takes "auto" or a whole number (--batch-size, --num-shards), as the step
+    programs and the CLI take it; anything else comes back as given, for the checks to name
+    (check_engine_options, check_job)."""
     text = str(text).strip()
     if text.lower() in ("", "auto", "none", "null"):  # orchestrators pass empty placeholders
-        return "auto"
-    return int(text) if text.lstrip("-").isdigit() else text
-
-
-def num_shards_value(text: str | int) -> int | str:
-    """--num-shards as the CLI takes it: "auto" or a whole number (checked by check_job)."""
-    text = str(text).strip()
-    if text.lower() in ("", "auto"):
         return "auto"
     return int(text) if text.lstrip("-").isdigit() else text
 

@@ -203,15 +203,15 @@ def _job_command(kind: str):
         batch_invariant: BatchInvariant = False, gpu_memory_utilization: GpuMemoryUtilization = 0.9,
         max_num_batched_tokens: MaxNumBatchedTokens = None,
     ) -> None:
-        from components.steps import batch_size_value, num_shards_value
+        from components.steps import auto_or_int
 
-        _run(kind, dataset, output, run_id, num_shards=num_shards_value(num_shards), kv_store=kv_store, model=model,
+        _run(kind, dataset, output, run_id, num_shards=auto_or_int(num_shards), kv_store=kv_store, model=model,
              weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
              pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
              quantization=quantization, dtype=dtype, device=device, steps=steps, guidance=guidance,
              flow_shift=flow_shift, bot_task=bot_task,
              system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-             top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=batch_size_value(batch_size),
+             top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=auto_or_int(batch_size),
              step_cache=step_cache, batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
              max_num_batched_tokens=max_num_batched_tokens)
 

@@ -12,7 +12,7 @@ from components.steps import (
     BOT_TASKS,
     StepArgumentParser,
     add_engine_args,
-    batch_size_value,
+    auto_or_int,
     engine_kwargs,
     optional_bool,
     optional_float,
@@ -26,7 +26,7 @@ from components.steps import (
 def main(argv: list[str] | None = None) -> int:
     p = StepArgumentParser(prog="python -m components.ar", description=__doc__)
     add_engine_args(p)
-    p.add_argument("--batch-size", type=batch_size_value, default="auto",
+    p.add_argument("--batch-size", type=auto_or_int, default="auto",
                    help="AR rows in flight: auto (sized to GPU memory; 8 on the CPU) or a hard cap (default auto)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of GPU memory the AR step may fill with weights, K/V and activations (default 0.9)")

@@ -480,7 +480,7 @@ class ARScheduler:
         work = model.start_across_stages(
             x, lambda h: model.forward_layers(h, positions, mask, writer, layers=model.stage_layers), back)
         if not back:
-            self.sending = [w for w in self.sending if not all(part.is_completed() for part in w.works)]
+            self.sending = [w for w in self.sending if not w.is_completed()]
             self.sending.extend(work.sends)
         return work
 
