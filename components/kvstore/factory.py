@@ -17,9 +17,7 @@ def open_store(url: str | None = None) -> KVStore:
         return MooncakeStore.from_url(url)
     from components.kvstore.local import LocalStore
 
-    ttl = local_ttl(url)
-    options = {} if ttl is None else {"ttl_s": ttl}
-    return LocalStore(path, min_free_bytes=local_min_free(url), **options)
+    return LocalStore(path, **local_options(url))
 
 
 def local_path(url: str | None) -> str | None:
@@ -34,33 +32,24 @@ def local_path(url: str | None) -> str | None:
         if set(q) - {"ttl", "min_free"}:
             raise ValueError(f"store url {url!r}: local:// takes only ttl and min_free (e.g. ?ttl=12h&min_free=20G), "
                              f"got {sorted(q)}")
-        local_ttl(url)  # a bad duration or size is caught here too
-        local_min_free(url)
+        local_options(url)  # a bad duration or size is caught here too
         return unquote(u.netloc + u.path)
     if "://" in url:
         raise ValueError(f"store url {url!r}: unknown scheme (use local:// or mooncake://)")
     return url
 
 
-def local_ttl(url: str) -> float | None:
-    """The `?ttl=` of a local:// URL in seconds, None when not given."""
-    if not url.startswith("local://"):
-        return None
-    _, q = parse_query(url)
-    if "ttl" not in q:
-        return None
-    from components.kvstore.base import parse_duration
+def local_options(url: str | None) -> dict[str, float | int]:
+    """The LocalStore options a local:// URL sets (`?ttl=12h`, `?min_free=20G`), parsed; ValueError
+    for a bad value."""
+    from components.kvstore.base import parse_duration, parse_size
 
-    return parse_duration(q["ttl"], "local store ttl")
-
-
-def local_min_free(url: str | None) -> int | None:
-    """The `?min_free=` of a local:// URL in bytes (free disk a put must leave), None when not given."""
     if not url or not url.startswith("local://"):
-        return None
+        return {}
     _, q = parse_query(url)
-    if "min_free" not in q:
-        return None
-    from components.kvstore.base import parse_size
-
-    return parse_size(q["min_free"], "local store min_free")
+    options: dict[str, float | int] = {}
+    if "ttl" in q:
+        options["ttl_s"] = parse_duration(q["ttl"], "local store ttl")
+    if "min_free" in q:
+        options["min_free_bytes"] = parse_size(q["min_free"], "local store min_free")
+    return options
