@@ -200,6 +200,9 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
         "dit_prefix_s_per_row": mean([r.get("dit_prefix_s") for r in ok]),
         "kv_paths": sorted({str(r.get("kv_path")) for r in ok}),
         "kernel_fallbacks": summary.get("kernel_fallbacks"),
+        "ar_oom_retries": summary.get("ar_oom_retries"), "gpu_alloc_retries": summary.get("gpu_alloc_retries"),
+        # each shard's steps: wall time, the AR scheduler's batch, phases and captures, GPU memory peaks
+        "shard_steps": [{"shard": sh["shard"], **sh.get("steps", {})} for sh in summary.get("shards", [])],
         "peak_gpu_mib": memory.peak_mib, "time_split_s": split, "log_tail": log[-1500:],
     }
     print(json.dumps({k: v for k, v in result.items() if k != "log_tail"}), flush=True)

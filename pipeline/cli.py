@@ -186,6 +186,12 @@ def _print_summary(summary: dict, output: str, run_id: str) -> None:
             value = summary[key]
             table.add_row(key, json.dumps(value) if isinstance(value, (dict, list)) else f"{value}")
     Console().print(table)
+    ooms, retries = summary.get("ar_oom_retries") or 0, summary.get("gpu_alloc_retries") or 0
+    if ooms or retries:  # no row failed for it, but the job ran at the edge of GPU memory
+        typer.echo(f"GPU memory ran short: the AR step went on with fewer rows after {ooms} OOM(s), and the "
+                   f"allocator freed its cache and retried {retries} time(s); both slow a job down. A lower "
+                   "--gpu-memory-utilization (e.g. 0.8) or a smaller --batch-size leaves more room (per shard: "
+                   "shards[].steps in summary.json)")
     typer.echo(f"images and rows.parquet under {output.rstrip('/')}/{run_id}/shards/*/")
 
 

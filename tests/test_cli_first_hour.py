@@ -207,6 +207,13 @@ def test_a_job_says_what_it_loads_accounts_for_it_and_resumes_as_printed(tmp_pat
     assert sum(split.values()) == pytest.approx(summary["wall_s"], rel=0.01)
     steps = [json.loads((out / run_id / "shards" / "0" / "steps" / f"{s}.json").read_text()) for s in ("ar", "dit")]
     assert steps[0]["load_s"] > 0 and steps[1]["load_s"] == 0  # one load per process: the DiT reused it
+    assert steps[0]["wall_s"] > 0 and steps[1]["wall_s"] > 0
+    assert steps[0]["scheduler"]["mean_batch"] >= 1 and steps[0]["scheduler"]["oom_retries"] == 0
+    assert steps[0]["memory"] == steps[1]["memory"] == {}  # GPU memory is recorded on GPUs only
+    recorded = summary["shards"][0]["steps"]["ar"]["scheduler"]  # the summary rounds its floats
+    assert recorded["decode_steps"] == steps[0]["scheduler"]["decode_steps"] > 0
+    assert summary["ar_oom_retries"] == summary["gpu_alloc_retries"] == 0
+    assert "GPU memory ran short" not in proc.stdout
 
     again = subprocess.run(resume, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr

@@ -233,6 +233,26 @@ def _summary_run(tmp_path, output: str | None = None) -> tuple[RunLayout, dict]:
     return layout, summary_run(output or str(tmp_path / "out"), "run1")
 
 
+def test_summary_counts_what_ran_at_the_edge_of_gpu_memory(tmp_path, capsys) -> None:
+    from pipeline.cli import _print_summary
+
+    layout, s = _summary_run(tmp_path)
+    assert s["ar_oom_retries"] == s["gpu_alloc_retries"] == 0 and s["shards"][0]["steps"] == {}
+    layout.write_json(layout.step_timing_key(0, "ar"), {
+        "load_s": 1.0, "wall_s": 9.0, "scheduler": {"mean_batch": 3.5, "oom_retries": 2, "events": ["OOM"]},
+        "memory": {"peak_reserved_gib": 79.5, "alloc_retries": 3, "ooms": 2}})
+    layout.write_json(layout.step_timing_key(0, "dit"), {"load_s": 0.0, "wall_s": 5.0,
+                                                         "memory": {"alloc_retries": 4}})
+    s = summary_run(str(tmp_path / "out"), "run1")
+    assert s["shards"][0]["steps"]["ar"] == {"wall_s": 9.0, "scheduler": {"mean_batch": 3.5, "oom_retries": 2,
+                                                                          "events": ["OOM"]},
+                                             "memory": {"peak_reserved_gib": 79.5, "alloc_retries": 3, "ooms": 2}}
+    assert (s["ar_oom_retries"], s["gpu_alloc_retries"]) == (2, 7)
+    _print_summary(s, str(tmp_path / "out"), "run1")
+    out = capsys.readouterr().out
+    assert "after 2 OOM(s)" in out and "retried 7 time(s)" in out and "--gpu-memory-utilization" in out
+
+
 def test_summary_from_real_rows(tmp_path) -> None:
     layout, s = _summary_run(tmp_path)
     assert json.loads((tmp_path / "out/run1/summary.json").read_text()) == s

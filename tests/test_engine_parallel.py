@@ -153,3 +153,26 @@ def test_cfg_parallel_dit_matches_one_process(single, tmp_path):
         rel = (out["latents"] - ref).abs().max() / ref.abs().max()
         assert rel.item() <= 1e-5, f"{name}: {rel.item():.2e}"
         assert psnr(out["image"], single["image"]) >= 60
+
+
+def _agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ctx = ParallelContext(rank, world, torch.device("cpu"))
+        # rank r reports r GiB peak and 3 - r retries: the record keeps the worst of each
+        agreed = ctx.agree_max([rank << 30, 3 - rank]), ctx.agree_min(10 + rank)
+        with open(os.path.join(outdir, f"agree{rank}.pkl"), "wb") as f:
+            pickle.dump(agreed, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_worst_value_of_each(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_agree_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert pickle.load(open(tmp_path / f"agree{rank}.pkl", "rb")) == ([1 << 30, 3], 10)
+    assert ParallelContext(0, 1, torch.device("cpu")).agree_max([5, 7]) == [5, 7]  # one rank: as given

@@ -99,6 +99,9 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                          parallel, pipeline_parallel_size)
     load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
     from components.engine import compile_cache
+    from components.engine.step_memory import StepMemory
+
+    memory = StepMemory(engine.model.device)
 
     compiles = compile_cache.attach(output, engine, log=owner)  # a fresh container starts warm
     store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
@@ -144,9 +147,12 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         puts.wait()
         order = {job.id: i for i, job in enumerate(pending)}
         rows.sort(key=lambda r: order[r["id"]])
+        memory_stats = memory.stats(parallel)  # every rank: the worst rank's
         if owner:
             write_ar_rows(layout, shard, rows)
-            layout.write_json(layout.step_timing_key(shard, "ar"), {"load_s": round(load_s, 3)})
+            layout.write_json(layout.step_timing_key(shard, "ar"), {
+                "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_load - load_s, 3),
+                "scheduler": {k: stats[k] for k in SCHEDULER_RECORD}, "memory": memory_stats})
     except BaseException:
         puts.abandon()  # on the way out: payloads nobody will read are deleted now
         raise
@@ -160,8 +166,13 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
             "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant,
             "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
-            "ar_scheduler": {k: stats[k] for k in ("mean_batch", "peak_rows", "pool_rows", "row_groups", "decode_steps",
-                                                   "prefill_chunks", "oom_retries")}}
+            "ar_scheduler": {k: stats[k] for k in SCHEDULER_RECORD}}
+
+
+# What the step's record keeps of the AR scheduler's stats (engine/ar_scheduler.py SchedulerStats):
+# its batch, its time by phase, graph captures, and the OOMs it recovered from (with what happened).
+SCHEDULER_RECORD = ("mean_batch", "peak_rows", "pool_rows", "row_groups", "decode_steps", "prefill_chunks",
+                    "prefill_s", "decode_s", "finish_s", "capture_steps", "capture_s", "oom_retries", "events")
 
 
 class _BackgroundPuts:

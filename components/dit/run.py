@@ -81,6 +81,9 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                          parallel, pipeline_parallel_size)
     load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
     from components.engine import compile_cache
+    from components.engine.step_memory import StepMemory
+
+    memory = StepMemory(engine.model.device)
 
     compiles = compile_cache.attach(output, engine, log=owner)  # a fresh container starts warm
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
@@ -130,8 +133,11 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             raise RuntimeError(f"shard {shard}: {len(transient)} row(s) failed in the AR step for a transient reason "
                                f"(first: row {first_id}: {first_error}); the other rows are recorded, resume the run "
                                "to retry these")
+        memory_stats = memory.stats(parallel)  # every rank: the worst rank's
         if owner:
-            layout.write_json(layout.step_timing_key(shard, "dit"), {"load_s": round(load_s, 3)})
+            layout.write_json(layout.step_timing_key(shard, "dit"), {
+                "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_load - load_s, 3),
+                "memory": memory_stats})
         marker = writer.commit() if owner else {}
         kv_io.forget(f"{run_id}/{shard}", prefix=True)
     finally:

@@ -235,6 +235,17 @@ class ParallelContext:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._decision_group())
         return int(t.item())
 
+    @_collective
+    def agree_max(self, values: list[int]) -> list[int]:
+        """Each of `values`' largest over every rank of the copy (e.g. the worst rank's memory peak)."""
+        if self.world_size == 1 and self.pp_size == 1:
+            return list(values)
+        t = torch.tensor(values, device=self.device, dtype=torch.int64)
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._decision_group())
+        return [int(v) for v in t.tolist()]
+
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (so ranks take the same branch)."""
         return bool(self.agree_min(1 if flag else 0))

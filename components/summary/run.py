@@ -17,6 +17,10 @@ prefetch did not hide) and `kv_wait_fraction` that time over the shard's DiT tim
 `kv_reasons` counts why rows recomputed (reuse rows have no reason and are not in it).
 `kernel_fallbacks` sums the rows' count of fast kernel paths that failed on a shape and fell back
 to the plain path (a slower row, not a failed one; the first error is in the step's log).
+Per shard, `steps` holds what each step recorded beyond its rows (`shards/<k>/steps/<step>.json`):
+its wall time, the AR scheduler's batch, phases, graph captures and recovered OOMs, and GPU memory
+(peaks, allocator retries: engine/step_memory.py). `ar_oom_retries` and `gpu_alloc_retries` sum
+them: a job that ran at the edge of GPU memory failed no row for it, but ran slower.
 Floats are rounded to 4 significant digits.
 """
 
@@ -85,8 +89,10 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
                         kv_wait_fraction=(wait_s / dit_s) if dit_s else None,
                         kernel_fallbacks=int(_sum(table, "kernel_fallbacks")))
             tables.append(table.append_column("shard", pa.array([k] * table.num_rows, pa.int64())))
-            load_s += sum((layout.read_json(layout.step_timing_key(k, step)) or {}).get("load_s", 0.0)
-                          for step in ("ar", "dit"))
+            records = {step: layout.read_json(layout.step_timing_key(k, step)) or {} for step in ("ar", "dit")}
+            load_s += sum(r.get("load_s", 0.0) for r in records.values())
+            info.update(steps={step: {key: r[key] for key in ("wall_s", "scheduler", "memory") if key in r}
+                               for step, r in records.items() if r})
         else:
             pending += entry["rows"]
         shards.append(info)
@@ -136,6 +142,10 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
                        if ok_rows is not None else {}),
         "kv_wait_fraction": _kv_wait_fraction(shards),
         "kernel_fallbacks": sum(s.get("kernel_fallbacks", 0) for s in shards),
+        # running at the edge of GPU memory fails no row but costs time (engine/step_memory.py)
+        "ar_oom_retries": sum(_step_value(s, "ar", "scheduler", "oom_retries") for s in shards),
+        "gpu_alloc_retries": sum(_step_value(s, step, "memory", "alloc_retries") for s in shards
+                                 for step in ("ar", "dit")),
         "means_ok_rows": {c: _mean(ok_rows, c) for c in MEAN_COLUMNS} if ok_rows is not None else {},
         "errors": errors,
         "errors_truncated": max(0, n_failed - len(errors)),
@@ -144,6 +154,10 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
     # JSON keys must be strings: a null kv_path (not recorded) is listed as "unknown"
     summary["kv_paths"] = {("unknown" if k is None else str(k)): v for k, v in summary["kv_paths"].items()}
     return _rounded(summary)
+
+
+def _step_value(shard: dict[str, Any], step: str, part: str, key: str) -> int:
+    return (shard.get("steps", {}).get(step, {}).get(part) or {}).get(key) or 0
 
 
 def _kv_wait_fraction(shards: list[dict[str, Any]]) -> float | None:
