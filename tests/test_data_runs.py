@@ -242,15 +242,17 @@ def test_summary_counts_what_ran_at_the_edge_of_gpu_memory(tmp_path, capsys) -> 
         "load_s": 1.0, "wall_s": 9.0, "scheduler": {"mean_batch": 3.5, "oom_retries": 2, "events": ["OOM"]},
         "memory": {"peak_reserved_gib": 79.5, "alloc_retries": 3, "ooms": 2}})
     layout.write_json(layout.step_timing_key(0, "dit"), {"load_s": 0.0, "wall_s": 5.0,
-                                                         "memory": {"alloc_retries": 4}})
+                                                         "memory": {"alloc_retries": 40}})
     s = summary_run(str(tmp_path / "out"), "run1")
     assert s["shards"][0]["steps"]["ar"] == {"wall_s": 9.0, "scheduler": {"mean_batch": 3.5, "oom_retries": 2,
                                                                           "events": ["OOM"]},
                                              "memory": {"peak_reserved_gib": 79.5, "alloc_retries": 3, "ooms": 2}}
-    assert (s["ar_oom_retries"], s["gpu_alloc_retries"]) == (2, 7)
+    assert (s["ar_oom_retries"], s["gpu_alloc_retries"]) == (2, 43)
     _print_summary(s, str(tmp_path / "out"), "run1")
     out = capsys.readouterr().out
-    assert "after 2 OOM(s)" in out and "retried 7 time(s)" in out and "--gpu-memory-utilization" in out
+    assert "after 2 OOM(s)" in out and "--gpu-memory-utilization" in out and "retried 43 times" in out
+    _print_summary({**s, "ar_oom_retries": 0, "gpu_alloc_retries": 1}, str(tmp_path / "out"), "run1")
+    assert "GPU memory" not in capsys.readouterr().out  # one retry is not worth a word
 
 
 def test_summary_from_real_rows(tmp_path) -> None:
