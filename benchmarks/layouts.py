@@ -253,6 +253,14 @@ def main() -> None:
         print(f"{r['layout']:<10} {r['rows_ok']:>4} {r['rows_failed']:>4} {r['wall_s']:>7} {str(r['load_s']):>7} "
               f"{r['img_per_gpu_h']:>9} {str(r['img_per_gpu_h_after_load']):>9} {str(r['ar_prefill_s_per_row']):>7} "
               f"{str(r['ar_decode_s_per_row']):>7} {str(r['dit_s_per_row']):>6} {peak:>14}")
+        for step in r["shard_steps"]:  # each shard's steps: where the time went, how close to memory's edge
+            ar, dit = step.get("ar", {}), step.get("dit", {})
+            sched = ar.get("scheduler", {})
+            per_step = 1000 * sched["decode_s"] / sched["decode_steps"] if sched.get("decode_steps") else None
+            print(f"  shard {step['shard']}: AR {ar.get('wall_s')} s (pool {sched.get('pool_rows')} rows, "
+                  f"{sched.get('mean_batch')} a step, decode {per_step and round(per_step, 1)} ms a step, prefill "
+                  f"{sched.get('prefill_s')} s, OOMs {sched.get('oom_retries')}, memory {ar.get('memory')}); "
+                  f"DiT {dit.get('wall_s')} s (memory {dit.get('memory')})")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
