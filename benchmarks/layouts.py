@@ -11,7 +11,10 @@ IT2I rows with 1024x1024 conditioning images and outputs (--output-size), 8 step
 
 Per layout it reports: rows ok / failed (and the first failure), wall time, model load time,
 img/GPU-h end to end and without the load (wall - load), seconds per row per stage (AR prefill,
-AR decode, DiT), peak memory per GPU (nvidia-smi, sampled every 0.5 s), kernel fallbacks.
+AR decode, DiT), peak memory per GPU (nvidia-smi, sampled every 0.5 s), kernel fallbacks, and each
+shard's step records (wall time, the AR's pool and decode step, GPU memory peaks and retries).
+With --time-limit the job running at the limit is stopped as Ctrl-C would, and what it committed is
+reported (`cut_by_time_limit`); --out is written after every layout.
 Layout names: tpN, ppN, dpN and combinations joined by 'x' (e.g. pp2xtp2, dp2xtp1).
 """
 
@@ -143,7 +146,32 @@ def watch_for_stall(proc: subprocess.Popen, last_line: list[float], stall_s: flo
         time.sleep(1)
 
 
-def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, work: Path) -> dict:
+def stop_at_deadline(proc: subprocess.Popen, deadline: float, cut: list[bool]) -> None:
+    """At `deadline` (time.monotonic()) stop the job as Ctrl-C would (SIGINT to the CLI: it stops its
+    ranks and says what it committed), then harder if it does not end. A device call's limit would
+    otherwise kill the benchmark too, and with it every result not yet written."""
+    import signal
+
+    while proc.poll() is None:
+        if time.monotonic() >= deadline:
+            cut[0] = True
+            print("\n[layouts] time limit reached: stopping the job (what it committed is still reported)", flush=True)
+            for sig, grace in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 0)):
+                try:
+                    (os.kill(proc.pid, sig) if sig == signal.SIGINT else os.killpg(proc.pid, sig))
+                except OSError:
+                    return
+                end = time.monotonic() + grace
+                while proc.poll() is None and time.monotonic() < end:
+                    time.sleep(0.5)
+                if proc.poll() is not None:
+                    return
+            return
+        time.sleep(1)
+
+
+def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, work: Path,
+               deadline: float | None = None) -> dict:
     sizes = parse_layout(name)
     gpus = sizes["tp"] * sizes["pp"] * sizes["dp"]
     run_id = f"bench-{name}"
@@ -151,7 +179,7 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
     shards = max(args.shards, sizes["dp"])
     cmd = [sys.executable, "-m", "pipeline.cli", "edit", str(dataset), "-o", str(work / "runs"), "--run-id", run_id,
            "--model", model, "--num-shards", str(shards), "--steps", str(args.steps), "--guidance", str(args.guidance),
-           "--device", "cuda", "--tp", str(sizes["tp"]), "--pp", str(sizes["pp"]), "--dp", str(sizes["dp"])]
+           "--device", args.device, "--tp", str(sizes["tp"]), "--pp", str(sizes["pp"]), "--dp", str(sizes["dp"])]
     cmd.append("--dummy-weights")  # presets draw random weights anyway; the forced CoT asks for it by name
     if args.quantization != "none":
         cmd += ["--quantization", args.quantization]
@@ -166,6 +194,9 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
         last_line = [time.monotonic()]
         if args.stall_s:
             threading.Thread(target=watch_for_stall, args=(proc, last_line, args.stall_s), daemon=True).start()
+        cut = [False]
+        if deadline is not None:
+            threading.Thread(target=stop_at_deadline, args=(proc, deadline, cut), daemon=True).start()
         for line in proc.stdout:
             last_line[0] = time.monotonic()
             lines.append(line)
@@ -180,10 +211,16 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
     summary = {}
     if (run_dir / "summary.json").is_file():
         summary = json.loads((run_dir / "summary.json").read_text())
+    elif (run_dir / "inputs" / "manifest.json").is_file():  # a job stopped early: its committed shards, summarized here
+        from components.summary.run import summarize
+        from components.data.runs import RunLayout
+
+        summary = summarize(RunLayout.open(str(work / "runs"), run_id))
     split = summary.get("time_split_s", {})
     load_s = split.get("load")
     result = {
-        "layout": name, **sizes, "gpus": gpus, "exit_code": proc.returncode, "rows": len(rows), "rows_ok": len(ok),
+        "layout": name, **sizes, "gpus": gpus, "exit_code": proc.returncode, "cut_by_time_limit": cut[0],
+        "rows": len(rows), "rows_ok": len(ok),
         "rows_failed": len(failed), "first_failure": failed[0].get("error") if failed else None,
         "wall_s": round(wall, 1), "load_s": load_s,
         "img_per_gpu_h": round(len(ok) * 3600 / (wall * gpus), 1) if ok else 0.0,
@@ -226,6 +263,10 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a preset or checkpoint instead (e.g. tiny); --layers is ignored")
     p.add_argument("--stall-s", type=float, default=0,
                    help="when the job prints nothing for this long: dump every rank's stack (SIGUSR1), then stop it")
+    p.add_argument("--time-limit", type=float, default=0,
+                   help="seconds for all layouts together (0: none); at the limit the running job is stopped as "
+                        "Ctrl-C would and what it committed is reported (keep it under the device call's limit)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a check of this script with --model tiny")
     p.add_argument("--work", default="/tmp/ardit-layouts")
     p.add_argument("--out", default=None)
     p.add_argument("extra", nargs="*", help="more `ardit edit` options (after --)")
@@ -245,7 +286,15 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = {"date": time.strftime("%Y-%m-%d"), "device": device,
                "gpus_visible": torch.cuda.device_count(), "torch": torch.__version__, "argv": sys.argv[1:],
-               "layouts": [run_layout(name, args, dataset, model, work) for name in args.layouts]}
+               "layouts": []}
+    deadline = time.monotonic() + args.time_limit if args.time_limit else None
+    for name in args.layouts:
+        if deadline is not None and time.monotonic() >= deadline:
+            print(f"[layouts] time limit reached: {name} not run", flush=True)
+            break
+        results["layouts"].append(run_layout(name, args, dataset, model, work, deadline))
+        if args.out:  # after each layout: a later one that is cut short loses nothing before it
+            Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\n{'layout':<10} {'ok':>4} {'fail':>4} {'wall s':>7} {'load s':>7} {'img/GPU-h':>9} {'w/o load':>9} "
           f"{'AR pre':>7} {'AR dec':>7} {'DiT':>6} {'peak GiB/GPU':>14}")
     for r in results["layouts"]:
@@ -255,6 +304,8 @@ def main() -> None:
               f"{str(r['ar_decode_s_per_row']):>7} {str(r['dit_s_per_row']):>6} {peak:>14}")
         for step in r["shard_steps"]:  # each shard's steps: where the time went, how close to memory's edge
             ar, dit = step.get("ar", {}), step.get("dit", {})
+            if not ar and not dit:
+                continue  # not committed (a job stopped early)
             sched = ar.get("scheduler", {})
             per_step = 1000 * sched["decode_s"] / sched["decode_steps"] if sched.get("decode_steps") else None
             print(f"  shard {step['shard']}: AR {ar.get('wall_s')} s (pool {sched.get('pool_rows')} rows, "
