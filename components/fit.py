@@ -59,16 +59,19 @@ def replicated_parameter_bytes(model: str, dtype: str | None = None) -> int:
     import torch
 
     from components.engine.transformer import HunyuanImage3ForCausalMM
+    from components.engine.vae import build_vae
+    from components.engine.vit import LightProjector, vision_parameter_count
     from components.steps import describe_model
 
     config = describe_model(model)[1]
     model_bytes = DTYPE_BYTES[dtype or config.torch_dtype]
-    with torch.device("meta"):
-        net = HunyuanImage3ForCausalMM(config.replace(num_hidden_layers=0))
-    total = 0
-    for name, p in net.named_parameters():
-        total += p.numel() * (DTYPE_BYTES[config.vae_dtype] if name.startswith("vae.") else model_bytes)
-    return total
+    with torch.device("meta"):  # the ViT tower is counted, not built (no transformers import)
+        net = HunyuanImage3ForCausalMM(config.replace(num_hidden_layers=0), with_conditioning=False)
+        vae = build_vae(config.vae)
+        aligner = LightProjector(config.vit.hidden_size, config.hidden_size, config.vit.aligner_depth)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    return ((count(net) + count(aligner) + vision_parameter_count(config.vit)) * model_bytes
+            + count(vae) * DTYPE_BYTES[config.vae_dtype])
 
 
 def layer_weight_bytes(config: Any, index: int, tp: int, model_bytes: int, fp8: bool) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from components.errors import ConfigError
-from components.fit import CUDA_CONTEXT_BYTES, check_fit, estimate, replicated_parameter_bytes
+from components.fit import CUDA_CONTEXT_BYTES, DTYPE_BYTES, check_fit, estimate, replicated_parameter_bytes
 from components.preflight import parallel_layout
 from components.steps import describe_model
 
@@ -162,3 +162,29 @@ def test_the_free_memory_probe_says_what_it_cannot_tell(monkeypatch):
     slow = FreeMemoryProbe()
     slow.cancel()
     assert slow.proc.returncode is not None
+
+
+@pytest.mark.parametrize("model", ["tiny", MODEL])
+def test_the_vit_is_counted_as_built_and_the_check_imports_no_transformers(model):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from components.engine.transformer import HunyuanImage3ForCausalMM
+    from components.engine.vit import build_vision_model, vision_parameter_count
+
+    config = describe_model(model)[1]
+    with torch.device("meta"):
+        tower = build_vision_model(config.vit)
+        whole = HunyuanImage3ForCausalMM(config.replace(num_hidden_layers=0))
+    assert vision_parameter_count(config.vit) == sum(p.numel() for p in tower.parameters())
+    # the same bytes as the whole model built on the meta device (the way it was counted before)
+    built = sum(p.numel() * DTYPE_BYTES[config.vae_dtype if name.startswith("vae.") else config.torch_dtype]
+                for name, p in whole.named_parameters())
+    assert replicated_parameter_bytes(model) == built
+    code = ("import sys; from components.fit import replicated_parameter_bytes; "
+            f"replicated_parameter_bytes({model!r}); print('transformers' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=str(Path(__file__).resolve().parents[1])).stdout.strip() == "False"

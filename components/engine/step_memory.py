@@ -37,6 +37,7 @@ class StepMemory:
         if parallel is not None:
             values = parallel.agree_max(values)
         peak_allocated, peak_reserved, retries, ooms = values
-        return {"peak_allocated_gib": round(peak_allocated / GIB, 2), "peak_reserved_gib": round(peak_reserved / GIB, 2),
+        return {"peak_allocated_gib": round(peak_allocated / GIB, 2),
+                "peak_reserved_gib": round(peak_reserved / GIB, 2),
                 "total_gib": round(torch.cuda.get_device_properties(self.device).total_memory / GIB, 2),
                 "alloc_retries": int(retries), "ooms": int(ooms)}

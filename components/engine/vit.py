@@ -164,6 +164,20 @@ def vision_config(cfg: ViTConfig) -> Siglip2VisionConfig:
     return config
 
 
+def vision_parameter_count(cfg: ViTConfig) -> int:
+    """The parameters of `build_vision_model(cfg)`, counted without building it (so without importing
+    transformers: the job's memory check needs only this, and the import took 5 s of the checks'
+    14 s on the lent 2 x H100 machine). tests/test_fit.py checks it against the built tower."""
+    h, inter, c, p = cfg.hidden_size, cfg.intermediate_size, cfg.num_channels, cfg.patch_size
+    linear = lambda n_in, n_out: n_in * n_out + n_out  # noqa: E731 - weight and bias
+    norm = 2 * h
+    mlp = linear(h, inter) + linear(inter, h)
+    embeddings = linear(c * p * p, h) + int(getattr(cfg, "num_patches", DEFAULT_NUM_POSITION_PATCHES)) * h
+    layer = 4 * linear(h, h) + 2 * norm + mlp  # q, k, v, out projections; two norms; the MLP
+    head = h + 3 * h * h + 3 * h + linear(h, h) + norm + mlp  # probe, attention (in_proj, out_proj), norm, MLP
+    return embeddings + cfg.num_hidden_layers * layer + norm + head  # the norm: post_layernorm
+
+
 def build_vision_model(cfg: ViTConfig) -> Siglip2VisionModel:
     """The official `vision_model` (SigLIP2 naflex tower), randomly initialised."""
     from transformers import Siglip2VisionModel
