@@ -50,7 +50,13 @@ def job_run(tmp_path_factory) -> Path:
             image = Image.fromarray(noise.integers(0, 256, (512, 512, 3), dtype=np.uint8))  # big, incompressible
             writer.record_ok(job.id, image, cot_text=COT, kv_path="reuse", ar_prefill_s=0.2, ar_decode_s=1.5,
                              kv_put_s=0.01, kv_get_s=0.02, dit_total_s=3.0, vae_decode_s=0.5)
-        layout.write_json(layout.step_timing_key(k, "ar"), {"load_s": 4.0 if k == 0 else 0.0})
+        layout.write_json(layout.step_timing_key(k, "ar"), {
+            "load_s": 4.0 if k == 0 else 0.0, "wall_s": 30.0 - 10 * k,
+            "scheduler": {"mean_batch": 2.0, "oom_retries": 1 - k},
+            "memory": {"peak_reserved_gib": 70.2, "total_gib": 79.2, "alloc_retries": 0, "ooms": 1 - k}})
+        layout.write_json(layout.step_timing_key(k, "dit"), {"load_s": 0.0, "wall_s": 40.0,
+                                                             "memory": {"peak_reserved_gib": 76.3, "total_gib": 79.2,
+                                                                        "alloc_retries": 12}})
         writer.commit()
     run_summary(str(out), "first")
     return out / "first"
@@ -80,6 +86,9 @@ def test_job_report_shows_what_was_asked_and_what_came_out(job_run, capfd):
     assert len(links) == 3 and all((path.parent / link).is_file() for link in links), links
     pngs = sum(p.stat().st_size for p in job_run.glob("shards/*/images/*.png"))
     assert len(html) < pngs / 3  # not the PNGs inlined: they are ~2.4 MB here
+    # each shard's steps as a plot (the step records in summary.json), beside the time split and rows
+    assert 'alt="shard steps" src="data:image/png;base64,' in html
+    assert "Each shard&#39;s AR and DiT steps" in html or "Each shard's AR and DiT steps" in html
     # the time split includes the engine load recorded by the step
     assert '"load": 4.0' in (job_run / "summary.json").read_text()
 
@@ -106,7 +115,7 @@ def test_job_report_renders_in_headless_chromium(job_run, tmp_path):
 
     page = check_page(write_job_report(job_run), chromium=CHROMIUM)
     assert page.title == "ardit run · first · 3/5 ok"
-    assert len(page.images) == 5 + 3 + 2  # inputs, outputs, the two plots
+    assert len(page.images) == 5 + 3 + 3  # inputs, outputs, the three plots
     assert page.broken_images == [], page.broken_images
     assert page.external_urls == [] and page.console_errors == [], (page.external_urls, page.console_errors)
     shot = Image.open(io.BytesIO(page.screenshot)).convert("RGB")

@@ -2,7 +2,8 @@
 
     header       run id, kind, dataset, model and settings (settings/{ar,dit}.json), ardit version
     facts        rows ok / failed / pending, images per minute, wall time
-    plots        where the time went (summary.json's time_split_s) and seconds per image by row
+    plots        where the time went (summary.json's time_split_s), seconds per image by row, and
+                 each shard's AR and DiT steps with their GPU memory peaks and retries (shards[].steps)
     errors       every error row with its reason
     grid         per row: the input image and instruction (edit) or the prompt (generate), the
                  output image and the CoT text
@@ -111,6 +112,41 @@ def row_times_uri(rows: list[dict[str, Any]]) -> str | None:
     return plots.render(fig).uri  # drawn at 2x its CSS size: sharp text
 
 
+def shard_steps_uri(shards: list[dict[str, Any]]) -> str | None:
+    """Each committed shard's AR and DiT steps (wall time, stacked), labelled with the GPU memory peak
+    of the step that came closest (the worst rank's) and what ran short: the AR's recovered OOMs and
+    the allocator's retries (summary.json shards[].steps). None for runs that recorded no steps."""
+    recorded = [s for s in shards if s.get("steps")][::-1]  # barh draws bottom-up: shard 0 on top
+    if not recorded:
+        return None
+    labels = []
+    for s in recorded:
+        steps = s["steps"]
+        memories = [(steps.get(step) or {}).get("memory") or {} for step in ("ar", "dit")]
+        peak = max(memories, key=lambda m: m.get("peak_reserved_gib") or 0.0)
+        notes = [f"peak {peak['peak_reserved_gib']:.0f} / {peak['total_gib']:.0f} GiB"] \
+            if peak.get("peak_reserved_gib") and peak.get("total_gib") else []
+        ooms = ((steps.get("ar") or {}).get("scheduler") or {}).get("oom_retries") or 0
+        retries = sum(m.get("alloc_retries") or 0 for m in memories)
+        if ooms:
+            notes.append(f"{ooms} OOM(s) recovered")
+        if retries:
+            notes.append(f"{retries} allocator {'retry' if retries == 1 else 'retries'}")
+        labels.append(f"shard {s['shard']}" + ("\n" + " · ".join(notes) if notes else ""))
+    fig, ax = plots.plt.subplots(figsize=(6.4, 0.8 + 0.5 * len(recorded)), dpi=120)
+    plots._style(ax)
+    left = [0.0] * len(recorded)
+    for step, label, color in (("ar", "AR", plots.INFO_COLOR), ("dit", "DiT + VAE", plots.PASS_COLOR)):
+        values = [(s["steps"].get(step) or {}).get("wall_s") or 0.0 for s in recorded]
+        ax.barh(labels, values, left=left, color=color, height=0.6, label=label)
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_xlabel("seconds (step wall time)", fontsize=9, color="#24292f")
+    ax.tick_params(labelsize=8)
+    ax.legend(fontsize=8, frameon=False, ncol=2, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout()
+    return plots.render(fig).uri  # drawn at 2x its CSS size: sharp text
+
+
 def build_job_context(run_dir: Path, report_path: Path, max_rows: int = 60) -> dict[str, Any]:
     from components.summary.run import summarize
 
@@ -154,6 +190,7 @@ def build_job_context(run_dir: Path, report_path: Path, max_rows: int = 60) -> d
         "errors": [r for r in rows if r["status"] != "ok"], "cards": cards, "n_rows": len(rows),
         "text_label": "instruction" if manifest.get("kind") == "edit" else "prompt",
         "time_plot": time_split_uri(summary.get("time_split_s") or {}), "rows_plot": row_times_uri(rows),
+        "steps_plot": shard_steps_uri(summary.get("shards") or []),
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"), "run_dir": str(run_dir),
     }
 
@@ -229,6 +266,7 @@ figcaption { font-size: 12px; color: #59636e; margin-top: 3px; }
 <div class="panel plots">
   {% if time_plot %}<figure><img alt="time split" src="{{ time_plot }}"><figcaption>Where the wall time went: engine load, AR, KV handoff, DiT + VAE, the rest.</figcaption></figure>{% endif %}
   {% if rows_plot %}<figure><img alt="seconds per image" src="{{ rows_plot }}"><figcaption>Seconds per image by row (AR times are the row's share of its batch).</figcaption></figure>{% endif %}
+  {% if steps_plot %}<figure><img alt="shard steps" src="{{ steps_plot }}"><figcaption>Each shard's AR and DiT steps, with the GPU memory peak of the fuller one and what ran short (recovered OOMs, allocator retries).</figcaption></figure>{% endif %}
   {% if not time_plot and not rows_plot %}<div class="sub">no committed rows yet</div>{% endif %}
 </div>
 
