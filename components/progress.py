@@ -29,8 +29,8 @@ class _Task:
     label: str
     total: int
     done: int = 0
-    t0: float = field(default_factory=time.monotonic)
-    last_log: float = field(default_factory=time.monotonic)
+    t0: float = field(default_factory=lambda: time.monotonic())
+    last_log: float = field(default_factory=lambda: time.monotonic())
     first_done_at: float | None = None  # when the first rows finished (after compiles, the first batch)
     first_done: int = 0
 
@@ -38,14 +38,18 @@ class _Task:
 class LogProgress:
     """One line per finished shard step (and every `interval_s` within a long one).
 
-    `job_steps`: how many shard steps the whole job has (for the job's ETA); 0 = unknown."""
+    `job_steps`: how many shard steps the whole job has (for the job's ETA); 0 = unknown.
+    `replicas`: how many steps run at once (a job's data-parallel model copies)."""
 
-    def __init__(self, stream: TextIO | None = None, interval_s: float = 30.0, job_steps: int = 0):
+    def __init__(self, stream: TextIO | None = None, interval_s: float = 30.0, job_steps: int = 0,
+                 replicas: int = 1):
         self.stream = stream or sys.stderr
         self.interval_s = interval_s
         self.job_steps = job_steps
+        self.replicas = max(1, replicas)
         self.steps_done = 0
         self.t0 = time.monotonic()
+        self.latest_s: dict[str, float] = {}  # the last finished step of each kind (AR, DiT): its seconds
 
     def __enter__(self) -> LogProgress:
         return self
@@ -81,6 +85,7 @@ class LogProgress:
     def finish(self, task: _Task) -> None:
         elapsed = time.monotonic() - task.t0
         rate = task.done / elapsed if elapsed > 0 else 0.0
+        self.latest_s[task.label.split()[0]] = elapsed
         self._line(f"{task.label}: {task.done}/{task.total} rows in {_duration(elapsed)} ({rate:.2f} rows/s)"
                    + self._job())
 
@@ -93,7 +98,14 @@ class LogProgress:
         if not self.job_steps:
             return ""
         left = max(0, self.job_steps - self.steps_done)
-        eta = (time.monotonic() - self.t0) / self.steps_done * left
+        if self.latest_s:
+            # each step left takes what the last step of each kind took, the AR and DiT in turn: the
+            # job's first steps compile (on 2 x H100 the first AR shard took 118 s, the next 30 s), so
+            # a mean over every step so far stays high long after the steps have warmed up
+            per_step = sum(self.latest_s.values()) / len(self.latest_s)
+            eta = left * per_step / self.replicas
+        else:  # only skipped steps so far (a resume)
+            eta = (time.monotonic() - self.t0) / self.steps_done * left
         return f"; job: {self.steps_done}/{self.job_steps} shard steps, ETA {_duration(eta)}"
 
 
@@ -177,11 +189,12 @@ class SharedProgress:
             self.inner.skip(label, why)
 
 
-def make_progress(mode: bool | str = "auto", job_steps: int = 0) -> LogProgress | RichProgress | NoProgress:
+def make_progress(mode: bool | str = "auto", job_steps: int = 0,
+                  replicas: int = 1) -> LogProgress | RichProgress | NoProgress:
     """"auto": rich bars when stderr is a terminal, log lines otherwise; True: the same;
     False: nothing; "log" / "rich": that one."""
     if mode is False or mode == "none":
         return NoProgress()
     if mode == "log" or (mode in (True, "auto") and not sys.stderr.isatty()):
-        return LogProgress(job_steps=job_steps)
+        return LogProgress(job_steps=job_steps, replicas=replicas)
     return RichProgress(job_steps=job_steps)

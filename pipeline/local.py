@@ -97,7 +97,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
 
     todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
     dp = min(plan["data_parallel_size"], max(len(todo), 1))  # no replica without a shard to take
-    with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2)) as bars:
+    with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2), replicas=dp) as bars:
         replicas = run_replicas(todo, shard_steps, bars, dp, tensor_parallel_size, pipeline_parallel_size,
                                 plan["device"])
     summary = summarize(layout)

@@ -10,7 +10,7 @@ from components.progress import LogProgress
 
 
 def test_the_eta_counts_from_the_first_finished_rows(monkeypatch):
-    clock = [progress_module.time.monotonic()]  # a task's start is read from the real clock
+    clock = [100.0]
     monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
     out = io.StringIO()
     log = LogProgress(stream=out, interval_s=30)
@@ -28,3 +28,21 @@ def test_the_eta_counts_from_the_first_finished_rows(monkeypatch):
     clock[0] += 10
     log.finish(task)
     assert out.getvalue().splitlines()[-1].endswith("AR  shard 0: 22/32 rows in 2 min (0.23 rows/s)")
+
+
+def test_the_job_eta_takes_the_latest_step_of_each_kind(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
+    out = io.StringIO()
+    log = LogProgress(stream=out, job_steps=40)
+    for label, seconds in (("AR  shard 0", 118), ("DiT shard 0", 62), ("AR  shard 1", 30), ("DiT shard 1", 40)):
+        task = log.add_task(label, 16)
+        clock[0] += seconds
+        log.advance(task, 16)
+        log.finish(task)
+    # 36 steps left at (30 + 40) / 2 s each, not at the mean of all four (the compiling first ones in it)
+    assert out.getvalue().splitlines()[-1].endswith("job: 4/40 shard steps, ETA 21 min"), out.getvalue()
+    replicas = LogProgress(stream=io.StringIO(), job_steps=40, replicas=4)
+    replicas.latest_s = {"AR": 30.0, "DiT": 40.0}
+    replicas.steps_done = 3
+    assert replicas._job().endswith("ETA 5 min")  # 36 x 35 s over 4 copies at once
