@@ -116,17 +116,18 @@ def shard_steps_uri(shards: list[dict[str, Any]]) -> str | None:
     """Each committed shard's AR and DiT steps (wall time, stacked), labelled with the GPU memory peak
     of the step that came closest (the worst rank's) and what ran short: the AR's recovered OOMs and
     the allocator's retries (summary.json shards[].steps). None for runs that recorded no steps."""
+    from components.summary.run import step_record
+
     recorded = [s for s in shards if s.get("steps")][::-1]  # barh draws bottom-up: shard 0 on top
     if not recorded:
         return None
     labels = []
     for s in recorded:
-        steps = s["steps"]
-        memories = [(steps.get(step) or {}).get("memory") or {} for step in ("ar", "dit")]
+        memories = [step_record(s, step, "memory") for step in ("ar", "dit")]
         peak = max(memories, key=lambda m: m.get("peak_reserved_gib") or 0.0)
         notes = [f"peak {peak['peak_reserved_gib']:.0f} / {peak['total_gib']:.0f} GiB"] \
             if peak.get("peak_reserved_gib") and peak.get("total_gib") else []
-        ooms = ((steps.get("ar") or {}).get("scheduler") or {}).get("oom_retries") or 0
+        ooms = step_record(s, "ar", "scheduler").get("oom_retries") or 0
         retries = sum(m.get("alloc_retries") or 0 for m in memories)
         if ooms:
             notes.append(f"{ooms} OOM(s) recovered")

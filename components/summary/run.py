@@ -143,8 +143,8 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
         "kv_wait_fraction": _kv_wait_fraction(shards),
         "kernel_fallbacks": sum(s.get("kernel_fallbacks", 0) for s in shards),
         # running at the edge of GPU memory fails no row but costs time (engine/step_memory.py)
-        "ar_oom_retries": sum(_step_value(s, "ar", "scheduler", "oom_retries") for s in shards),
-        "gpu_alloc_retries": sum(_step_value(s, step, "memory", "alloc_retries") for s in shards
+        "ar_oom_retries": sum(step_record(s, "ar", "scheduler").get("oom_retries") or 0 for s in shards),
+        "gpu_alloc_retries": sum(step_record(s, step, "memory").get("alloc_retries") or 0 for s in shards
                                  for step in ("ar", "dit")),
         "means_ok_rows": {c: _mean(ok_rows, c) for c in MEAN_COLUMNS} if ok_rows is not None else {},
         "errors": errors,
@@ -156,8 +156,9 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
     return _rounded(summary)
 
 
-def _step_value(shard: dict[str, Any], step: str, part: str, key: str) -> int:
-    return (shard.get("steps", {}).get(step, {}).get(part) or {}).get(key) or 0
+def step_record(shard: dict[str, Any], step: str, part: str) -> dict[str, Any]:
+    """A part ("scheduler", "memory") of what a shard's step ("ar", "dit") recorded, {} when none."""
+    return (shard.get("steps", {}).get(step) or {}).get(part) or {}
 
 
 def _kv_wait_fraction(shards: list[dict[str, Any]]) -> float | None:
