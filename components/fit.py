@@ -251,7 +251,7 @@ def free_gpu_memory(device_ids: list[int], in_process: bool, probe: FreeMemoryPr
         return [fake[i] for i in device_ids]
     if in_process:
         if probe is not None:
-            probe.cancel()
+            probe.cancel()  # its own CUDA context would count against the free memory read here
         import torch
 
         return [float(torch.cuda.mem_get_info(i)[0]) for i in device_ids]

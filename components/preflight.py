@@ -180,8 +180,6 @@ def check_memory(*, model: str, device: str, gpus: int | None, data_parallel_siz
     from components.steps import describe_model
 
     if not device.startswith("cuda"):
-        if probe is not None:
-            probe.cancel()
         return
     if weights is not None:
         from components.engine.quant import is_fp8_checkpoint
@@ -273,38 +271,40 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
         check_kv_url(kv_url)
     check_cuda_present(device)
     probe = FreeMemoryProbe.start(device)  # asks the GPUs' free memory beside the checks below
-    # the model: its config, tokenizer and weights files
-    gen = resolve_generation(model, greedy=greedy, **generation)  # also resolves the model
-    validators = model_validators(model)  # its tokenizer and resolution buckets load
-    check_weights(model, weights, dummy_weights)
-    from components.engine.compile_cache import check_setting  # the engine is imported by now
+    try:
+        # the model: its config, tokenizer and weights files
+        gen = resolve_generation(model, greedy=greedy, **generation)  # also resolves the model
+        validators = model_validators(model)  # its tokenizer and resolution buckets load
+        check_weights(model, weights, dummy_weights)
+        from components.engine.compile_cache import check_setting  # the engine is imported by now
 
-    if (problem := check_setting()) is not None:
-        raise ConfigError(problem)
-    if pipeline_parallel_size > 1:
-        check_pipeline_stages(model, pipeline_parallel_size)
-    ar = ({"ar_from_run": ar_from_run} if ar_from_run else
-          ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, batch_invariant))
-    dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache)
-    layout.check_settings("ar", ar)  # a resumed run: same settings, or a clear refusal
-    layout.check_settings("dit", dit)
-    device = resolve_device(device)
-    gpus = visible_gpus(device)
-    dp = parallel_layout(device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, gpus)
-    if num_shards == "auto":  # a resumed run keeps its sharding, wherever it resumes
-        num_shards = (layout.read_json(layout.manifest_key) or {}).get("num_shards") or \
-            auto_num_shards(source.num_rows, dp)
-    manifest = check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
-    finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
-    if not finished:
-        check_memory(model=model, device=device if gpus is None or device.startswith("cuda") else "cuda", gpus=gpus,
-                     data_parallel_size=dp if device.startswith("cuda") else 1,
-                     tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                     quantization=quantization, weights=weights, dtype=dtype, kind=kind,
-                     generation=gen, probe=probe)
-    elif probe is not None:
-        probe.cancel()
-    if kv_url is not None and not finished and kv_url.startswith("mooncake://"):
-        check_kv_store(kv_url)  # its servers answer (an embedded store was checked above)
-    return {"device": device, "data_parallel_size": dp, "generation": gen, "validators": validators,
-            "settings": {"ar": ar, "dit": dit}, "layout": layout, "finished": finished, "num_shards": num_shards}
+        if (problem := check_setting()) is not None:
+            raise ConfigError(problem)
+        if pipeline_parallel_size > 1:
+            check_pipeline_stages(model, pipeline_parallel_size)
+        ar = ({"ar_from_run": ar_from_run} if ar_from_run else
+              ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, batch_invariant))
+        dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache)
+        layout.check_settings("ar", ar)  # a resumed run: same settings, or a clear refusal
+        layout.check_settings("dit", dit)
+        device = resolve_device(device)
+        gpus = visible_gpus(device)
+        dp = parallel_layout(device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, gpus)
+        if num_shards == "auto":  # a resumed run keeps its sharding, wherever it resumes
+            num_shards = (layout.read_json(layout.manifest_key) or {}).get("num_shards") or \
+                auto_num_shards(source.num_rows, dp)
+        manifest = check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
+        finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
+        if not finished:
+            check_memory(model=model, device=device if gpus is None or device.startswith("cuda") else "cuda", gpus=gpus,
+                         data_parallel_size=dp if device.startswith("cuda") else 1,
+                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                         quantization=quantization, weights=weights, dtype=dtype, kind=kind,
+                         generation=gen, probe=probe)
+        if kv_url is not None and not finished and kv_url.startswith("mooncake://"):
+            check_kv_store(kv_url)  # its servers answer (an embedded store was checked above)
+        return {"device": device, "data_parallel_size": dp, "generation": gen, "validators": validators,
+                "settings": {"ar": ar, "dit": dit}, "layout": layout, "finished": finished, "num_shards": num_shards}
+    finally:  # on every way out, a refusal before the memory check too (a finished probe: nothing to do)
+        if probe is not None:
+            probe.cancel()
