@@ -97,7 +97,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     t_load = time.perf_counter()
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
                          parallel, pipeline_parallel_size)
-    load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
+    t_step = time.perf_counter()
+    load_s = t_step - t_load  # 0 when this process had it loaded (a job's later steps)
     from components.engine import compile_cache
     from components.engine.step_memory import StepMemory
 
@@ -151,7 +152,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         if owner:
             write_ar_rows(layout, shard, rows)
             layout.write_json(layout.step_timing_key(shard, "ar"), {
-                "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_load - load_s, 3),
+                "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
                 "scheduler": {k: stats[k] for k in SCHEDULER_RECORD}, "memory": memory_stats})
     except BaseException:
         puts.abandon()  # on the way out: payloads nobody will read are deleted now

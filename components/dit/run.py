@@ -79,7 +79,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     t_load = time.perf_counter()
     engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
                          parallel, pipeline_parallel_size)
-    load_s = time.perf_counter() - t_load  # 0 when this process had it loaded (a job's later steps)
+    t_step = time.perf_counter()
+    load_s = t_step - t_load  # 0 when this process had it loaded (a job's later steps)
     from components.engine import compile_cache
     from components.engine.step_memory import StepMemory
 
@@ -136,7 +137,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         memory_stats = memory.stats(parallel)  # every rank: the worst rank's
         if owner:
             layout.write_json(layout.step_timing_key(shard, "dit"), {
-                "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_load - load_s, 3),
+                "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
                 "memory": memory_stats})
         marker = writer.commit() if owner else {}
         kv_io.forget(f"{run_id}/{shard}", prefix=True)

@@ -186,12 +186,12 @@ def attach(output: str, engine: Any, log: bool = True) -> CompileCache | None:
     if setting == "off" or (setting == "auto" and engine.model.device.type != "cuda"):
         return None
     root = output if setting == "auto" else setting
-    fp = fingerprint(engine)
-    key = f"{PREFIX}/{fp}/{rank_name(engine)}.tar"
+    fp, rank = fingerprint(engine), rank_name(engine)
+    key = f"{PREFIX}/{fp}/{rank}.tar"
     if (root, key) not in _attached:
         from components.data.objectstore import open_object_store
 
-        local_dir = Path(tempfile.gettempdir()) / "ardit-compile-cache" / fp / rank_name(engine)
+        local_dir = Path(tempfile.gettempdir()) / "ardit-compile-cache" / fp / rank
         try:
             store = open_object_store(root)
         except ValueError as e:  # a step run without the job's checks: compiles, never a failed step

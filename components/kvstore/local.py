@@ -85,7 +85,8 @@ class LocalStore(KVStore):
         tmp = path.parent / f"{_TMP}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             enc = StreamEncoding(kv) if isinstance(kv, PromptKV) else None
-            size = enc.data_offset + enc.data_len if enc is not None else as_u8(kv).nbytes
+            buf = as_u8(kv) if enc is None else None
+            size = enc.data_offset + enc.data_len if enc is not None else buf.nbytes
             self._check_room(key, size)
             with open(tmp, "wb") as f:
                 if enc is not None:
@@ -97,7 +98,6 @@ class LocalStore(KVStore):
                     f.write(enc.header())
                     f.seek(0, os.SEEK_END)
                 else:
-                    buf = as_u8(kv)
                     if check:
                         read_header(buf)  # refuse bytes that are not a payload
                     f.write(memoryview(buf))
