@@ -158,7 +158,10 @@ def stop_at_deadline(proc: subprocess.Popen, deadline: float, cut: list[bool]) -
             print("\n[layouts] time limit reached: stopping the job (what it committed is still reported)", flush=True)
             for sig, grace in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 0)):
                 try:
-                    (os.kill(proc.pid, sig) if sig == signal.SIGINT else os.killpg(proc.pid, sig))
+                    if sig == signal.SIGINT:
+                        os.kill(proc.pid, sig)  # the CLI alone: it stops its ranks itself
+                    else:
+                        os.killpg(proc.pid, sig)
                 except OSError:
                     return
                 end = time.monotonic() + grace
@@ -211,7 +214,7 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
     summary = {}
     if (run_dir / "summary.json").is_file():
         summary = json.loads((run_dir / "summary.json").read_text())
-    elif (run_dir / "inputs" / "manifest.json").is_file():  # a job stopped early: its committed shards, summarized here
+    elif (run_dir / "inputs" / "manifest.json").is_file():  # a job stopped early: its committed shards
         from components.summary.run import summarize
         from components.data.runs import RunLayout
 
@@ -312,8 +315,6 @@ def main() -> None:
                   f"{sched.get('mean_batch')} a step, decode {per_step and round(per_step, 1)} ms a step, prefill "
                   f"{sched.get('prefill_s')} s, OOMs {sched.get('oom_retries')}, memory {ar.get('memory')}); "
                   f"DiT {dit.get('wall_s')} s (memory {dit.get('memory')})")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
