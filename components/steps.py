@@ -530,9 +530,10 @@ def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
     """Run a step program's body: a ConfigError (or a missing extra) is one line and exit code 2;
     Ctrl-C is exit code 130; anything else propagates (a traceback in the pod log, exit 1, and the
     orchestrator retries). Its stacks print on SIGUSR1 / ARDIT_STACK_DUMP_S, as the CLI's do."""
-    from components.ranks import dump_stacks_on_signal, rank_timeout_s
+    from components.ranks import dump_stacks_on_signal, gpu_env_defaults, rank_timeout_s
 
     try:
+        gpu_env_defaults()  # before anything starts CUDA
         dump_stacks_on_signal()
         rank_timeout_s(0)  # a bad ARDIT_RANK_TIMEOUT_S is one line now, not a rank's error later
         return body()

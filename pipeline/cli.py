@@ -21,7 +21,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from components.errors import one_line
-from components.ranks import dump_stacks_on_signal, rank_timeout_s
+from components.ranks import dump_stacks_on_signal, gpu_env_defaults, rank_timeout_s
 from components.kvstore.cli import app as store_app
 from pipeline.sweep import app as sweep_app
 from pipeline.cli_orchestration import app as orchestration_app
@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in args if a != "--debug"]
     command = get_command(app)
     try:
+        gpu_env_defaults()  # before anything starts CUDA
         dump_stacks_on_signal()
         rank_timeout_s(0)  # a bad ARDIT_RANK_TIMEOUT_S is one line now, not a rank's error later
         rv = command.main(args=args, prog_name="ardit", standalone_mode=False)

@@ -59,6 +59,20 @@ def test_decode_mode_and_buckets(engine, static_decode):
     assert [batch_bucket(b) for b in (1, 2, 3, 5, 9, 33, 64, 65)] == [1, 2, 4, 8, 16, 64, 64, 128]
 
 
+def test_pipeline_stages_decode_with_graphs_by_default(engine, static_decode, monkeypatch):
+    """A pipeline stage without tensor parallelism takes the static step (CUDA graphs on a GPU) under
+    `auto`, as one GPU does; `off` keeps the plain step."""
+    monkeypatch.setattr(kernels, "fast_device", lambda t: True)  # as on a GPU
+    engine.model.parallel = type("Ctx", (), {"world_size": 1, "pp_size": 2})()
+    try:
+        kernels.configure(decode_graphs="auto")
+        assert decode_mode(engine.model) == "eager"  # "graphs" on CUDA bf16 weights
+        kernels.configure(decode_graphs="off")
+        assert decode_mode(engine.model) == "plain"
+    finally:
+        del engine.model.parallel
+
+
 def test_kv_cache_spare_rows_keep_its_public_view():
     plain = KVCache(2, 3, 2, 4, 10, torch.float32, "cpu")
     assert plain.k is plain.k_rows and plain.k[0].shape == (3, 2, 10, 4)

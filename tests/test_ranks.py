@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import pytest
 
-from components.ranks import RankFailed, run_on_ranks
+from components.ranks import SAFE_NCCL_ENV, RankFailed, gpu_env_defaults, run_on_ranks
 
 
 def test_ranks_run_and_rank0_result_comes_back():
@@ -81,3 +82,21 @@ def test_a_one_rank_pool_runs_in_its_own_process_and_its_progress_reaches_the_pa
     assert got["pid"] != os.getpid() and got["parallel"] is False and got["device"] == "cpu"
     assert calls == [("add_task", "step shard 0", 3), ("advance", "task-1", 1), ("advance", "task-1", 2),
                      ("finish", "task-1"), ("skip", "step shard 1", "committed")]
+
+
+def test_gpu_env_defaults_keep_what_the_user_set(monkeypatch):
+    """Expandable segments and NCCL without multicast by default; a user's own allocator or NCCL
+    settings stay as they are (under either allocator variable's name)."""
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", *SAFE_NCCL_ENV):
+        monkeypatch.delenv(key, raising=False)
+    gpu_env_defaults()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert all(os.environ[key] == value for key, value in SAFE_NCCL_ENV.items())
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    gpu_env_defaults()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"

@@ -23,9 +23,8 @@ over a whole span of tokens, so one CUDA graph per (batch bucket, span) replays 
 
 On CUDA in bf16 one graph is captured per span and replayed; elsewhere the same step runs
 eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks keep the plain path:
-a graph would hold the NCCL all-reduces of every layer. Pipeline stages (without TP, and with
-`decode_graphs=on`: see `decode_mode`) graph their own layers only: the hand-offs between stages
-stay outside the graph (`StaticDecoder._start_stage`), so each stage decides alone whether its graph
+a graph would hold the NCCL all-reduces of every layer. Pipeline stages (without TP) graph their
+own layers only: the hand-offs between stages stay outside the graph (`StaticDecoder._start_stage`), so each stage decides alone whether its graph
 captured. The graphs belong to one `StaticDecoder`, i.e. to one AR batch: they hold the addresses
 of its KV cache and are captured again for the next.
 
@@ -41,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import decode_attention, enabled, is_kernel_failure, record_fallback, run_fast, settings
+from . import decode_attention, enabled, is_kernel_failure, record_fallback, run_fast
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SPAN_STEP = 1024  # attention span granularity: a new graph every SPAN_STEP tokens
@@ -62,14 +61,12 @@ def decode_mode(model) -> str:
     `decode_graphs=auto` picks graphs for CUDA bf16; `on` forces the static step anywhere (eager on
     the CPU and in other dtypes, whose per-expert MoE loop reads counts back to the host and so
     cannot be captured). Tensor-parallel ranks (world size > 1) always decode plainly. Pipeline
-    stages graph their own layers only with `decode_graphs=on` (ARDIT_KERNELS=decode_graphs=on):
-    on a 4-layer full-width stack at --pp 2 (2 x H200, 2026-11-26) the graphs cut the AR decode per
-    row by a quarter with 0 fallbacks, but the job as a whole was not faster, and the full model has
-    not run with them; `auto` keeps them off there."""
+    stages graph their own layers, as one GPU does (`off`: the plain step): on the full model in FP8
+    at --pp 2 (2 x H100, 2026-11-27, docs/benchmarks.md) warm 32-row shards decoded at 39-40 ms a
+    step, against 92-99 ms without graphs, with 0 fallbacks."""
     weight = model.model.wte.weight
     parallel = getattr(model, "parallel", None)
-    if parallel is not None and (parallel.world_size > 1
-                                 or (parallel.pp_size > 1 and settings().decode_graphs != "on")):
+    if parallel is not None and parallel.world_size > 1:
         return "plain"
     if not enabled("decode_graphs", weight, "on"):
         return "plain"
