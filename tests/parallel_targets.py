@@ -404,3 +404,31 @@ def stage_round_trip(outdir: str, device: str, parallel) -> None:
     value += 1
     to = 0 if parallel.is_last_stage else parallel.pp_rank + 1
     parallel.isend_stage(value, to, back=parallel.is_last_stage).wait()
+
+
+def decode_graph_agreement(failing_rank: int | None, device: str, parallel) -> dict:
+    """`StaticDecoder._graphed` on tensor-parallel ranks whose capture is stubbed (no CUDA here):
+    rank `failing_rank` fails its capture, the others capture. Returns, for rank 0, what it ran, and
+    whether any rank kept a graph or still decodes with graphs (agreed over the ranks)."""
+    import types
+
+    import torch
+
+    from components.engine import kernels
+    from components.engine.kernels.decode import StaticDecoder
+
+    torch.cuda.synchronize = lambda *a, **k: None  # what a failed capture syncs: no CUDA in this process
+    modes = []
+
+    def capture(fn, pool=None, mode="global"):
+        modes.append(mode)
+        if parallel.rank == failing_rank:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return types.SimpleNamespace(replay=lambda: None), torch.zeros(1)  # the graph's output buffer
+
+    decoder = types.SimpleNamespace(use_graphs=True, graphs={}, model=types.SimpleNamespace(parallel=parallel),
+                                    stages=None, pool=None, capture=capture, rows=4, graph_error=None)
+    out = StaticDecoder._graphed(decoder, (0, 4, 1024), lambda: torch.ones(1))  # eager: ones
+    kept_anywhere, graphs_anywhere = parallel.agree_max([len(decoder.graphs), int(decoder.use_graphs)])
+    return {"out": out.tolist(), "modes": modes, "kept_anywhere": kept_anywhere,
+            "graphs_anywhere": graphs_anywhere, "fallbacks": kernels.fallbacks()}

@@ -22,6 +22,7 @@ import torch
 from components.engine import Engine
 from components.engine.ar import ARRequest, SamplingParams
 from components.engine.dit import DiTRequest
+from components.engine.kernels.decode import decode_mode
 from components.engine.kvcache import PromptKV
 from components.engine.parallel import ParallelContext, kv_head_range
 from components.engine.transformer import attention_mask
@@ -77,6 +78,7 @@ def _rank(rank: int, world: int, port: int, outdir: str, full_kv_file: str | Non
                                 full.token_ids, full.pos_reuse_len, full.neg_reuse_len, full.model_id, full.config_hash)
         out = _run(engine, override, full_kv_file is not None)
         out["head_range"] = kv_head_range(engine.config.num_key_value_heads, engine.config.num_attention_heads, world, rank)
+        out["decode_mode"] = decode_mode(engine.model)
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(out, f)
     finally:
@@ -101,6 +103,7 @@ def single():
 def test_parallel_ranks_match_one_process(single, world, tmp_path):
     ranks = _spawn(world, tmp_path)
     for r, out in enumerate(ranks):
+        assert out["decode_mode"] == "plain"  # tensor-parallel ranks under decode_graphs=auto
         assert out["tokens"] == single["tokens"]
         rel = (out["logits"] - single["logits"]).abs().max() / single["logits"].abs().max()
         assert rel.item() <= 1e-5, f"rank {r}: logits differ by {rel.item():.2e} relative"
@@ -114,6 +117,19 @@ def test_parallel_ranks_match_one_process(single, world, tmp_path):
     # negative control: another model's logits are far outside the tolerance
     other = _text_logits(Engine.load("tiny", seed=7), [5, 6, 7, 8])
     assert (other - _text_logits(Engine.load("tiny"), [5, 6, 7, 8])).abs().max() > 1e-2
+
+
+@pytest.mark.slow
+def test_tensor_parallel_static_decode_matches_one_process(single, tmp_path, monkeypatch):
+    """With decode_graphs=on tensor-parallel ranks run the static decode step (on a GPU, CUDA graphs
+    holding the layers' all-reduces; eager here, all-reduces over gloo): the same tokens and K/V."""
+    monkeypatch.setenv("ARDIT_KERNELS", "decode_graphs=on")  # the spawned ranks read it
+    for out in _spawn(2, tmp_path):
+        assert out["decode_mode"] == "eager"
+        assert out["tokens"] == single["tokens"]
+        h0, h1 = out["head_range"]
+        for k_rank, k_full in zip(out["kv"].keys, single["kv"].keys):
+            torch.testing.assert_close(k_rank, k_full[:, h0:h1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -176,3 +192,21 @@ def test_ranks_agree_on_the_worst_value_of_each(tmp_path):
     for rank in range(2):
         assert pickle.load(open(tmp_path / f"agree{rank}.pkl", "rb")) == ([1 << 30, 3], 10)
     assert ParallelContext(0, 1, torch.device("cpu")).agree_max([5, 7]) == [5, 7]  # one rank: as given
+
+
+@pytest.mark.parametrize("failing_rank", [None, 0, 1])
+def test_tensor_parallel_ranks_agree_on_each_decode_graph(failing_rank):
+    """A decode graph under tensor parallelism holds the layers' all-reduces, so the ranks must all
+    replay it or all run the step eagerly: one rank's failed capture sends every rank to the eager
+    step (each counts a fallback); captures are thread-local (NCCL's watchdog polls meanwhile)."""
+    from components.ranks import run_on_ranks
+
+    got = run_on_ranks("tests.parallel_targets:decode_graph_agreement", {"failing_rank": failing_rank},
+                       world_size=2, device="cpu")
+    assert got["modes"] == ["thread_local"]
+    if failing_rank is None:
+        assert got == {"out": [0.0], "modes": ["thread_local"], "kept_anywhere": 1, "graphs_anywhere": 1,
+                       "fallbacks": 0}
+    else:
+        assert got == {"out": [1.0], "modes": ["thread_local"], "kept_anywhere": 0, "graphs_anywhere": 0,
+                       "fallbacks": 1}

@@ -50,24 +50,26 @@ def test_decode_mode_and_buckets(engine, static_decode):
     assert decode_mode(engine.model) == "eager"  # graphs need CUDA
     kernels.configure(decode_graphs="auto")
     assert decode_mode(engine.model) == "plain"  # auto: plain on the CPU
-    kernels.configure(decode_graphs="on")
-    engine.model.parallel = type("Ctx", (), {"world_size": 2})()
-    try:
-        assert decode_mode(engine.model) == "plain"  # tensor-parallel ranks keep the plain path
-    finally:
-        del engine.model.parallel
     assert [batch_bucket(b) for b in (1, 2, 3, 5, 9, 33, 64, 65)] == [1, 2, 4, 8, 16, 64, 64, 128]
 
 
-def test_pipeline_stages_decode_with_graphs_by_default(engine, static_decode, monkeypatch):
-    """A pipeline stage without tensor parallelism takes the static step (CUDA graphs on a GPU) under
-    `auto`, as one GPU does; `off` keeps the plain step."""
-    monkeypatch.setattr(kernels, "fast_device", lambda t: True)  # as on a GPU
+def test_decode_mode_under_stages_and_tensor_parallel(engine, static_decode, monkeypatch):
+    """As on a GPU (`auto` choosing the fast paths): a pipeline stage takes the static step (CUDA
+    graphs on CUDA bf16 weights; "eager" for these CPU ones) as one GPU does, and `off` the plain
+    step. Tensor-parallel ranks take the static step only with `on`, and not under stages as well."""
+    monkeypatch.setattr(kernels, "fast_device", lambda t: True)
     engine.model.parallel = type("Ctx", (), {"world_size": 1, "pp_size": 2})()
     try:
         kernels.configure(decode_graphs="auto")
-        assert decode_mode(engine.model) == "eager"  # "graphs" on CUDA bf16 weights
+        assert decode_mode(engine.model) == "eager"
         kernels.configure(decode_graphs="off")
+        assert decode_mode(engine.model) == "plain"
+        engine.model.parallel.world_size, engine.model.parallel.pp_size = 2, 1
+        kernels.configure(decode_graphs="auto")
+        assert decode_mode(engine.model) == "plain"
+        kernels.configure(decode_graphs="on")
+        assert decode_mode(engine.model) == "eager"
+        engine.model.parallel.pp_size = 2
         assert decode_mode(engine.model) == "plain"
     finally:
         del engine.model.parallel

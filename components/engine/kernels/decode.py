@@ -22,8 +22,9 @@ over a whole span of tokens, so one CUDA graph per (batch bucket, span) replays 
   kernels/compiled_layers.py (`compile=auto|on`), one graph dynamic in the batch.
 
 On CUDA in bf16 one graph is captured per span and replayed; elsewhere the same step runs
-eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks keep the plain path:
-a graph would hold the NCCL all-reduces of every layer. Pipeline stages (without TP) graph their
+eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks keep the plain path
+unless `decode_graphs=on`: their graphs hold the NCCL all-reduces of every layer, and the ranks
+agree on each capture (all replay, or all run eagerly). Pipeline stages (without TP) graph their
 own layers only: the hand-offs between stages stay outside the graph (`StaticDecoder._start_stage`), so each stage decides alone whether its graph
 captured. The graphs belong to one `StaticDecoder`, i.e. to one AR batch: they hold the addresses
 of its KV cache and are captured again for the next.
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import decode_attention, enabled, is_kernel_failure, record_fallback, run_fast
+from . import decode_attention, enabled, is_kernel_failure, record_fallback, run_fast, settings
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SPAN_STEP = 1024  # attention span granularity: a new graph every SPAN_STEP tokens
@@ -60,13 +61,16 @@ def decode_mode(model) -> str:
 
     `decode_graphs=auto` picks graphs for CUDA bf16; `on` forces the static step anywhere (eager on
     the CPU and in other dtypes, whose per-expert MoE loop reads counts back to the host and so
-    cannot be captured). Tensor-parallel ranks (world size > 1) always decode plainly. Pipeline
-    stages graph their own layers, as one GPU does (`off`: the plain step): on the full model in FP8
-    at --pp 2 (2 x H100, 2026-11-27, docs/benchmarks.md) warm 32-row shards decoded at 39-40 ms a
-    step, against 92-99 ms without graphs, with 0 fallbacks."""
+    cannot be captured). Pipeline stages graph their own layers, as one GPU does (`off`: the plain
+    step): on the full model in FP8 at --pp 2 (2 x H100, 2026-11-27, docs/benchmarks.md) warm 32-row
+    shards decoded at 39-40 ms a step, against 92-99 ms without graphs, with 0 fallbacks.
+    Tensor-parallel ranks (world size > 1) decode plainly under `auto`; `on` captures each layer's
+    NCCL all-reduces into the graph (not under pipeline stages as well). That has not run on GPUs
+    yet, so it is opt-in."""
     weight = model.model.wte.weight
     parallel = getattr(model, "parallel", None)
-    if parallel is not None and parallel.world_size > 1:
+    if parallel is not None and parallel.world_size > 1 and (settings().decode_graphs != "on"
+                                                             or parallel.pp_size > 1):
         return "plain"
     if not enabled("decode_graphs", weight, "on"):
         return "plain"
@@ -301,18 +305,28 @@ class StaticDecoder:
             return fn()
         entry = self.graphs.get(key)
         if entry is None:
+            tp = getattr(self.model, "parallel", None)
+            tp = tp if tp is not None and tp.world_size > 1 else None
+            error = None
             try:
-                # thread-local capture under pipeline stages: NCCL's watchdog thread polls events meanwhile
-                mode = "global" if self.stages is None else "thread_local"
-                entry = self.graphs[key] = self.capture(fn, self.pool, mode)
+                # thread-local capture with NCCL (stages, TP): its watchdog thread polls events meanwhile
+                mode = "global" if self.stages is None and tp is None else "thread_local"
+                entry = self.capture(fn, self.pool, mode)
             except RuntimeError as e:  # an op that syncs with the host cannot be captured
                 if not is_kernel_failure(e):
                     raise  # out of memory, a lost rank: not the graph's failure
-                record_fallback("decode_graphs", (self.rows, key[-1]), e)
-                warnings.warn(f"decode graphs: capture failed, decoding eagerly ({e})", stacklevel=2)
-                self.graph_error, self.use_graphs = str(e), False
+                error = e
+            # tensor-parallel ranks all replay or all run eagerly: a capture executes none of its
+            # all-reduces, so either way every rank's next ones pair up
+            if tp is not None and not tp.all_true(error is None):
+                error = error or RuntimeError("another tensor-parallel rank's capture failed")
+            if error is not None:
+                record_fallback("decode_graphs", (self.rows, key[-1]), error)
+                warnings.warn(f"decode graphs: capture failed, decoding eagerly ({error})", stacklevel=2)
+                self.graph_error, self.use_graphs = str(error), False
                 torch.cuda.synchronize()
                 return fn()
+            self.graphs[key] = entry
         graph, out = entry
         graph.replay()
         return out
