@@ -171,9 +171,11 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
 
 
 # What the step's record keeps of the AR scheduler's stats (engine/ar_scheduler.py SchedulerStats):
-# its batch, its time by phase, graph captures, and the OOMs it recovered from (with what happened).
-SCHEDULER_RECORD = ("mean_batch", "peak_rows", "pool_rows", "kv_budget_bytes", "row_groups", "decode_steps", "prefill_chunks",
-                    "prefill_s", "decode_s", "finish_s", "capture_steps", "capture_s", "oom_retries", "events")
+# its batch, its K/V budget and the GPU memory outside the allocator when it was set, its time by
+# phase, graph captures, and the OOMs it recovered from (with what happened).
+SCHEDULER_RECORD = ("mean_batch", "peak_rows", "pool_rows", "kv_budget_bytes", "outside_allocator_bytes",
+                    "row_groups", "decode_steps", "prefill_chunks", "prefill_s", "decode_s", "finish_s",
+                    "capture_steps", "capture_s", "oom_retries", "events")
 
 
 class _BackgroundPuts:

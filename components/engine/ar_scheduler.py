@@ -112,6 +112,9 @@ class Admission:
     kv_budget_bytes: int | None = None
     max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS
     gpu_memory_utilization: float = 0.9
+    # of the GPU memory in use when the budget was set, what PyTorch's allocator does not hold (the
+    # CUDA context, libraries' kernels, NCCL's buffers; the fullest rank's): recorded per AR step
+    outside_allocator_bytes: int | None = None
 
     @classmethod
     def for_model(cls, model, batch_size: int | str = "auto", gpu_memory_utilization: float = 0.9,
@@ -126,10 +129,12 @@ class Admission:
         torch.cuda.empty_cache()  # blocks cached by an earlier step (a DiT in this process) are free memory
         free, total = torch.cuda.mem_get_info(model.device)
         budget = int(total * gpu_memory_utilization) - (total - free) - activation_reserve(model, tokens)
+        outside = (total - free) - torch.cuda.memory_reserved(model.device)
         parallel = getattr(model, "parallel", None)
         if parallel is not None:  # every rank admits alike, within the fullest rank's memory
             budget = parallel.agree_min(budget)
-        return cls(cap, max(budget, 0), tokens, gpu_memory_utilization)
+            outside = parallel.agree_max([outside])[0]
+        return cls(cap, max(budget, 0), tokens, gpu_memory_utilization, outside)
 
 
 @dataclass
@@ -196,6 +201,7 @@ class SchedulerStats:
     pool_rows: int = 0
     pool_capacity: int = 0
     kv_budget_bytes: int | None = None
+    outside_allocator_bytes: int | None = None
     events: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -240,7 +246,8 @@ class ARScheduler:
         self.landing: deque[tuple[str, Any, Any]] = deque()
         self.sending: list = []  # hand-offs of forwards nothing waits for (prefill chunks, rewrites)
         self.sampler = DeviceSampler(sampling, ar.tok.ratio_choice_ids, [], ar.banned_ids())
-        self.stats = SchedulerStats(kv_budget_bytes=self.kv_budget)
+        self.stats = SchedulerStats(kv_budget_bytes=self.kv_budget,
+                                    outside_allocator_bytes=admission.outside_allocator_bytes)
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, requests: list, on_result: Callable[[Any, Any], None]) -> dict:
