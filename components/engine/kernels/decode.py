@@ -25,9 +25,9 @@ On CUDA in bf16 one graph is captured per span and replayed; elsewhere the same 
 eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks keep the plain path
 unless `decode_graphs=on`: their graphs hold the NCCL all-reduces of every layer, and the ranks
 agree on each capture (all replay, or all run eagerly). Pipeline stages (without TP) graph their
-own layers only: the hand-offs between stages stay outside the graph (`StaticDecoder._start_stage`), so each stage decides alone whether its graph
-captured. The graphs belong to one `StaticDecoder`, i.e. to one AR batch: they hold the addresses
-of its KV cache and are captured again for the next.
+own layers only: the hand-offs between stages stay outside the graph (`StaticDecoder._start_stage`),
+so each stage decides alone whether its graph captured. The graphs belong to one `StaticDecoder`,
+i.e. to one AR batch: they hold the addresses of its KV cache and are captured again for the next.
 
 `DeviceSampler` picks every row's token on the logits' device, with one host copy per step.
 """
