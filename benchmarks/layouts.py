@@ -311,7 +311,11 @@ def main() -> None:
                 continue  # not committed (a job stopped early)
             sched = ar.get("scheduler", {})
             per_step = 1000 * sched["decode_s"] / sched["decode_steps"] if sched.get("decode_steps") else None
-            print(f"  shard {step['shard']}: AR {ar.get('wall_s')} s (pool {sched.get('pool_rows')} rows, "
+            gib = {k: round(sched[k] / 2**30, 2) for k in ("kv_budget_bytes", "outside_allocator_bytes")
+                   if sched.get(k) is not None}  # CUDA only
+            budget = (f", K/V budget {gib['kv_budget_bytes']} GiB ({gib.get('outside_allocator_bytes')} GiB in use "
+                      "outside the allocator)" if "kv_budget_bytes" in gib else "")
+            print(f"  shard {step['shard']}: AR {ar.get('wall_s')} s (pool {sched.get('pool_rows')} rows{budget}, "
                   f"{sched.get('mean_batch')} a step, decode {per_step and round(per_step, 1)} ms a step, prefill "
                   f"{sched.get('prefill_s')} s, OOMs {sched.get('oom_retries')}, memory {ar.get('memory')}); "
                   f"DiT {dit.get('wall_s')} s (memory {dit.get('memory')})")

@@ -16,8 +16,9 @@ docs/benchmarks.md: 88.8 GB weights; AR peak 97.4 GB at batch 1 and 107.7 GB at 
 layout that fits, not to size batches (the AR step does that once the weights are loaded).
 
 `check_fit` is called by the job's preflight on CUDA with the free memory of each GPU a model copy
-would use. ARDIT_FAKE_GPU_MEMORY="80e9x2" (test-only) pretends the machine has 2 GPUs with 80 GB
-free each, so the check and the GPU-count arithmetic can be tested on a machine without GPUs.
+would use; on the CPU, `check_host_fit` holds the processes' weights to the host memory available.
+ARDIT_FAKE_GPU_MEMORY="80e9x2" (test-only) pretends the machine has 2 GPUs with 80 GB free each, so
+the check and the GPU-count arithmetic can be tested on a machine without GPUs.
 """
 
 from __future__ import annotations
@@ -185,6 +186,45 @@ def check_fit(model: str, free_bytes: list[float], *, tensor_parallel_size: int 
         f"--model {model} does not fit at {layout} (one row at a time): it needs about {need.total / GB:.0f} GB "
         f"per GPU (weights {need.weights / GB:.0f} GB, K/V {need.kv / GB:.0f} GB, activations "
         f"{(need.activations + need.context) / GB:.0f} GB) and the GPU has {free / GB:.0f} GB free; {hint}")
+
+
+def available_host_memory() -> float | None:
+    """Bytes the host can still give this job: /proc/meminfo's MemAvailable, or a cgroup v2 limit
+    less its use where that is lower; None where neither can be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = float(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            used = float(open("/sys/fs/cgroup/memory.current").read())
+            available = min(available, float(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_host_fit(model: str, available: float, *, processes: int = 1, tensor_parallel_size: int = 1,
+                   pipeline_parallel_size: int = 1, quantization: str | None = None, dtype: str | None = None) -> None:
+    """ConfigError (one line) when the weights of a CPU job's processes alone exceed the host memory
+    available: the full-size model on a CPU is otherwise killed by the kernel's OOM killer partway
+    through its load, with no word of why (it happened here: 80B in FP8 on a 24 GB machine)."""
+    from components.steps import describe_model
+
+    config = describe_model(model)[1]
+    per_process = estimate(config, replicated_parameter_bytes(model, dtype), tensor_parallel_size=tensor_parallel_size,
+                           pipeline_parallel_size=pipeline_parallel_size, quantization=quantization, dtype=dtype,
+                           batch_size=1).weights
+    need = per_process * processes
+    if need <= available:
+        return
+    raise ConfigError(
+        f"--model {model} on --device cpu needs about {need / GB:.0f} GB of host memory for its weights "
+        f"({processes} process(es)) and this machine has {available / GB:.0f} GB available: run it on GPUs "
+        "(--device cuda), or use --model tiny to try ardit on a CPU")
 
 
 def fake_gpus() -> list[float] | None:

@@ -174,12 +174,18 @@ def parallel_layout(device: str, tensor_parallel_size: int, pipeline_parallel_si
 def check_memory(*, model: str, device: str, gpus: int | None, data_parallel_size: int, tensor_parallel_size: int,
                  pipeline_parallel_size: int, quantization: str | None, weights: str | None, dtype: str | None,
                  kind: str, generation: dict[str, Any], probe: Any = None) -> None:
-    """One model copy fits the free memory of every GPU the job uses (CUDA only; components.fit).
-    `probe`: a FreeMemoryProbe started earlier, if any."""
-    from components.fit import check_fit, free_gpu_memory
+    """One model copy fits the free memory of every GPU the job uses; on the CPU, the weights of
+    all its processes fit the host's memory (components.fit). `probe`: a FreeMemoryProbe started
+    earlier, if any."""
+    from components.fit import available_host_memory, check_fit, check_host_fit, free_gpu_memory
     from components.steps import describe_model
 
     if not device.startswith("cuda"):
+        available = available_host_memory()
+        if available is not None:
+            processes = data_parallel_size * tensor_parallel_size * pipeline_parallel_size
+            check_host_fit(model, available, processes=processes, tensor_parallel_size=tensor_parallel_size,
+                           pipeline_parallel_size=pipeline_parallel_size, quantization=quantization, dtype=dtype)
         return
     if weights is not None:
         from components.engine.quant import is_fp8_checkpoint
@@ -297,7 +303,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
         finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
         if not finished:
             check_memory(model=model, device=device if gpus is None or device.startswith("cuda") else "cuda", gpus=gpus,
-                         data_parallel_size=dp if device.startswith("cuda") else 1,
+                         data_parallel_size=dp,
                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                          quantization=quantization, weights=weights, dtype=dtype, kind=kind,
                          generation=gen, probe=probe)

@@ -188,3 +188,35 @@ def test_the_vit_is_counted_as_built_and_the_check_imports_no_transformers(model
             f"replicated_parameter_bytes({model!r}); print('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=str(Path(__file__).resolve().parents[1])).stdout.strip() == "False"
+
+
+def test_the_full_model_on_a_cpu_is_one_line_before_loading(tmp_path, monkeypatch, capfd):
+    """On --device cpu the weights of every process are held to the host memory available: the
+    full-size model on a 24 GB machine was killed by the OOM killer partway through its load, with
+    no word of why. The tiny model passes; a host with room passes too."""
+    from components import fit
+    from components.data.sample import write_sample_edit_dataset
+    from components.preflight import check_memory
+    from pipeline import cli
+
+    monkeypatch.delenv("ARDIT_FAKE_GPU_MEMORY", raising=False)
+    monkeypatch.setattr(fit, "available_host_memory", lambda: 24e9)
+    data = write_sample_edit_dataset(tmp_path / "edit.parquet", n=1)
+    out = tmp_path / "out"
+    rc = cli.main(["edit", str(data), "-o", str(out), "--run-id", "r", "--model", MODEL, "--dummy-weights",
+                   "--quantization", "fp8", "--device", "cpu"])
+    captured = capfd.readouterr()
+    err = captured.err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, captured.err
+    assert err[0].startswith("ardit: error: --model hunyuan-image-3 on --device cpu needs about 8")  # ~85 GB
+    assert "24 GB available" in err[0] and "--model tiny" in err[0]
+    assert not (out / "r").exists()
+
+    gen = {"max_new_tokens": 2048, "guidance": 5.0}
+    layout = dict(device="cpu", gpus=None, pipeline_parallel_size=1, weights=None, dtype=None, kind="edit",
+                  generation=gen)
+    check_memory(model="tiny", data_parallel_size=4, tensor_parallel_size=2, quantization=None, **layout)
+    with pytest.raises(ConfigError, match=r"about 17\d GB .*\(2 process\(es\)\)"):  # bf16 at TP2: 2 x ~88 GB
+        check_memory(model=MODEL, data_parallel_size=1, tensor_parallel_size=2, quantization=None, **layout)
+    monkeypatch.setattr(fit, "available_host_memory", lambda: 2e12)  # a host with 2 TB
+    check_memory(model=MODEL, data_parallel_size=1, tensor_parallel_size=1, quantization="fp8", **layout)
