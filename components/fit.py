@@ -27,6 +27,7 @@ import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from components.errors import ConfigError
@@ -192,16 +193,15 @@ def available_host_memory() -> float | None:
     """Bytes the host can still give this job: /proc/meminfo's MemAvailable, or a cgroup v2 limit
     less its use where that is lower; None where neither can be read (not Linux)."""
     try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         available = float(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
+    cgroup = Path("/sys/fs/cgroup")
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":
-            used = float(open("/sys/fs/cgroup/memory.current").read())
-            available = min(available, float(limit) - used)
+            available = min(available, float(limit) - float((cgroup / "memory.current").read_text()))
     except (OSError, ValueError):
         pass
     return available
@@ -258,8 +258,6 @@ class FreeMemoryProbe:
     @classmethod
     def start(cls, device: str) -> "FreeMemoryProbe | None":
         """A probe where the job may run on NVIDIA GPUs (not for --device cpu or pretend GPUs)."""
-        from pathlib import Path
-
         if device == "cpu" or fake_gpus() is not None or not Path("/dev/nvidiactl").exists():
             return None
         return cls()
