@@ -221,11 +221,15 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
         summary = summarize(RunLayout.open(str(work / "runs"), run_id))
     split = summary.get("time_split_s", {})
     load_s = split.get("load")
+    checks_s, job_s = summary.get("checks_s"), summary.get("wall_s")
     result = {
         "layout": name, **sizes, "gpus": gpus, "exit_code": proc.returncode, "cut_by_time_limit": cut[0],
         "rows": len(rows), "rows_ok": len(ok),
         "rows_failed": len(failed), "first_failure": failed[0].get("error") if failed else None,
         "wall_s": round(wall, 1), "load_s": load_s,
+        # the job's own clock, the checks before it, and the rest: imports, start-up and exit of the CLI
+        "job_wall_s": job_s, "checks_s": checks_s,
+        "outside_job_and_checks_s": round(wall - job_s - checks_s, 1) if job_s and checks_s else None,
         "img_per_gpu_h": round(len(ok) * 3600 / (wall * gpus), 1) if ok else 0.0,
         "img_per_gpu_h_after_load": (round(len(ok) * 3600 / ((wall - load_s) * gpus), 1)
                                      if ok and load_s else None),
@@ -305,6 +309,8 @@ def main() -> None:
         print(f"{r['layout']:<10} {r['rows_ok']:>4} {r['rows_failed']:>4} {r['wall_s']:>7} {str(r['load_s']):>7} "
               f"{r['img_per_gpu_h']:>9} {str(r['img_per_gpu_h_after_load']):>9} {str(r['ar_prefill_s_per_row']):>7} "
               f"{str(r['ar_decode_s_per_row']):>7} {str(r['dit_s_per_row']):>6} {peak:>14}")
+        print(f"  start: checks {r.get('checks_s')} s before the job's clock; {r.get('outside_job_and_checks_s')} s "
+              "outside the job and its checks (the CLI's imports and exit)")
         for step in r["shard_steps"]:  # each shard's steps: where the time went, how close to memory's edge
             ar, dit = step.get("ar", {}), step.get("dit", {})
             if not ar and not dit:

@@ -61,12 +61,14 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     generation = dict(steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
                       system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_k=top_k, top_p=top_p)
+    t_checks = time.perf_counter()
     plan = check_job(dataset=dataset, output=output, run_id=run_id, kind=kind, num_shards=num_shards, model=model,
                      weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
                      quantization=quantization, kv_store=kv_store, kv_reuse=kv_reuse, device=device, dtype=dtype,
                      seed=seed, batch_size=batch_size, generation=generation, greedy=greedy,
                      ar_from_run=ar_from_run, step_cache=step_cache, batch_invariant=batch_invariant,
                      pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size)
+    checks_s = time.perf_counter() - t_checks
     gen, layout = plan["generation"], plan["layout"]
     if plan["finished"]:
         return {**(layout.read_json(layout.summary_key) or run_summary(output, run_id)), "nothing_to_do": True}
@@ -105,6 +107,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
         if entry["shard"] in replicas.ran:
             entry["replica"] = replicas.ran[entry["shard"]]
     summary["data_parallel"] = {"replicas": dp, "failed": replicas.failed}
+    summary["checks_s"] = round(checks_s, 3)  # before the job's clock (wall_s) starts
     layout.write_json(layout.summary_key, summary)
     if replicas.left:
         raise ReplicasFailed(f"every data-parallel replica failed ({'; '.join(f['error'] for f in replicas.failed)}); "
