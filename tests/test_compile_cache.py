@@ -32,8 +32,10 @@ PROBE = textwrap.dedent("""
     from torch._dynamo.utils import counters
 
     f = torch.compile(lambda x: torch.sin(x) * 2 + x.cos())
-    x = torch.randn(64)
-    assert torch.allclose(f(x), torch.sin(x) * 2 + x.cos())
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    # Inductor's vectorized sin/cos differ from eager's by an ulp or so: an absolute tolerance (with
+    # random inputs and atol 1e-8, a result near 0 failed it now and then)
+    assert torch.allclose(f(x), torch.sin(x) * 2 + x.cos(), atol=1e-5)
     print(json.dumps({"restored": restored, "stored": cache.persist(),
                       "hit": counters["inductor"]["fxgraph_cache_hit"],
                       "miss": counters["inductor"]["fxgraph_cache_miss"]}))
