@@ -29,6 +29,7 @@ class _Task:
     label: str
     total: int
     done: int = 0
+    # looked up at each call (not bound when the class is made), so a test's clock reaches it too
     t0: float = field(default_factory=lambda: time.monotonic())
     last_log: float = field(default_factory=lambda: time.monotonic())
     first_done_at: float | None = None  # when the first rows finished (after compiles, the first batch)
