@@ -317,10 +317,9 @@ def main() -> None:
                 continue  # not committed (a job stopped early)
             sched = ar.get("scheduler", {})
             per_step = 1000 * sched["decode_s"] / sched["decode_steps"] if sched.get("decode_steps") else None
-            gib = {k: round(sched[k] / 2**30, 2) for k in ("kv_budget_bytes", "outside_allocator_bytes")
-                   if sched.get(k) is not None}  # CUDA only
-            budget = (f", K/V budget {gib['kv_budget_bytes']} GiB ({gib.get('outside_allocator_bytes')} GiB in use "
-                      "outside the allocator)" if "kv_budget_bytes" in gib else "")
+            kv_budget, outside = sched.get("kv_budget_bytes"), sched.get("outside_allocator_bytes")  # CUDA only
+            budget = (f", K/V budget {kv_budget / 2**30:.2f} GiB ({outside / 2**30:.2f} GiB in use outside the "
+                      "allocator)" if kv_budget is not None and outside is not None else "")
             print(f"  shard {step['shard']}: AR {ar.get('wall_s')} s (pool {sched.get('pool_rows')} rows{budget}, "
                   f"{sched.get('mean_batch')} a step, decode {per_step and round(per_step, 1)} ms a step, prefill "
                   f"{sched.get('prefill_s')} s, OOMs {sched.get('oom_retries')}, memory {ar.get('memory')}); "
