@@ -224,3 +224,14 @@ def test_parquet_read_through_range_reader(store: ObjectStore) -> None:
         pf = pq.ParquetFile(f)
         assert pf.metadata.num_rows == 1000 and pf.metadata.num_row_groups == 10
         assert pf.read_row_group(7).column("x").to_pylist() == list(range(700, 800))
+
+
+def test_split_uri_keeps_a_file_at_the_root_at_the_root():
+    """`/x.parquet` lives in `/`: it was split as if in the working directory, so a dataset at the
+    root was looked for (and could be found) under the directory the CLI ran in."""
+    from components.data.objectstore import split_uri
+
+    assert split_uri("/x.parquet") == ("/", "x.parquet")
+    assert split_uri("x.parquet") == (".", "x.parquet")
+    assert split_uri("/d/x.parquet") == ("/d", "x.parquet")
+    assert split_uri("s3://b/a/x.parquet") == ("s3://b/a", "x.parquet")

@@ -593,12 +593,13 @@ def is_s3_uri(uri: str) -> bool:
 
 
 def split_uri(uri: str) -> tuple[str, str]:
-    """`s3://b/a/x.parquet` -> (`s3://b/a`, `x.parquet`); `/d/x.parquet` -> (`/d`, `x.parquet`)."""
+    """`s3://b/a/x.parquet` -> (`s3://b/a`, `x.parquet`); `/d/x.parquet` -> (`/d`, `x.parquet`);
+    `/x.parquet` -> (`/`, `x.parquet`); `x.parquet` -> (`.`, `x.parquet`)."""
     uri = str(uri).rstrip("/")
-    head, _, tail = uri.rpartition("/")
+    head, slash, tail = uri.rpartition("/")
     if is_s3_uri(uri) and head in ("s3:/", "s3:"):
         raise ValueError(f"{uri!r} names a bucket, not an object")
-    return (head or "."), tail
+    return (head or slash or "."), tail  # a file at the root lives in "/", not in the working directory
 
 
 def open_object_store(uri: str | os.PathLike[str], **s3_options: Any) -> ObjectStore:
