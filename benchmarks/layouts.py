@@ -222,14 +222,18 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
     split = summary.get("time_split_s", {})
     load_s = split.get("load")
     checks_s, job_s = summary.get("checks_s"), summary.get("wall_s")
+    start_s, close_s = summary.get("start_s"), summary.get("close_s")
     result = {
         "layout": name, **sizes, "gpus": gpus, "exit_code": proc.returncode, "cut_by_time_limit": cut[0],
         "rows": len(rows), "rows_ok": len(ok),
         "rows_failed": len(failed), "first_failure": failed[0].get("error") if failed else None,
         "wall_s": round(wall, 1), "load_s": load_s,
-        # the job's own clock, the checks before it, and the rest: imports, start-up and exit of the CLI
-        "job_wall_s": job_s, "checks_s": checks_s,
+        # the job's own clock, and outside it: the CLI's start (imports), the checks, the ranks stopping
+        # after the last commit, and the rest (the summary, the CLI's exit)
+        "job_wall_s": job_s, "start_s": start_s, "checks_s": checks_s, "close_s": close_s,
         "outside_job_and_checks_s": round(wall - job_s - checks_s, 1) if job_s and checks_s else None,
+        "outside_unaccounted_s": (round(wall - job_s - checks_s - start_s - close_s, 1)
+                                  if None not in (job_s, checks_s, start_s, close_s) else None),
         "img_per_gpu_h": round(len(ok) * 3600 / (wall * gpus), 1) if ok else 0.0,
         "img_per_gpu_h_after_load": (round(len(ok) * 3600 / ((wall - load_s) * gpus), 1)
                                      if ok and load_s else None),
@@ -309,8 +313,9 @@ def main() -> None:
         print(f"{r['layout']:<10} {r['rows_ok']:>4} {r['rows_failed']:>4} {r['wall_s']:>7} {str(r['load_s']):>7} "
               f"{r['img_per_gpu_h']:>9} {str(r['img_per_gpu_h_after_load']):>9} {str(r['ar_prefill_s_per_row']):>7} "
               f"{str(r['ar_decode_s_per_row']):>7} {str(r['dit_s_per_row']):>6} {peak:>14}")
-        print(f"  start: checks {r.get('checks_s')} s before the job's clock; {r.get('outside_job_and_checks_s')} s "
-              "outside the job and its checks (the CLI's imports and exit)")
+        print(f"  outside the job's clock: {r.get('outside_job_and_checks_s')} s besides the checks' "
+              f"{r.get('checks_s')} s; of these the CLI's start {r.get('start_s')} s, the ranks stopping "
+              f"{r.get('close_s')} s, the rest {r.get('outside_unaccounted_s')} s")
         for step in r["shard_steps"]:  # each shard's steps: where the time went, how close to memory's edge
             ar, dit = step.get("ar", {}), step.get("dit", {})
             if not ar and not dit:

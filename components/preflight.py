@@ -244,6 +244,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     from components.shard.run import check_existing, shard_identity
     from components.steps import (
         KINDS,
+        check_bench_cot,
         check_cuda_present,
         check_engine_options,
         check_pipeline_stages,
@@ -278,6 +279,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     check_cuda_present(device)
     probe = FreeMemoryProbe.start(device)  # asks the GPUs' free memory beside the checks below
     try:
+        check_bench_cot(model, weights, dummy_weights)  # imports the engine (torch) beside the probe's own
         # the model: its config, tokenizer and weights files
         gen = resolve_generation(model, greedy=greedy, **generation)  # also resolves the model
         validators = model_validators(model)  # its tokenizer and resolution buckets load

@@ -51,16 +51,16 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
-    from components.steps import check_bench_cot, check_engine_options, quantization_option
+    from components.steps import check_engine_options, quantization_option
     from components.summary.run import run as run_summary
     from components.summary.run import summarize
 
     quantization = quantization_option(quantization)  # "none" (a sweep's, a user's) is no quantization
     check_engine_options(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
-    check_bench_cot(model, weights, dummy_weights)
     generation = dict(steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
                       system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_k=top_k, top_p=top_p)
+    start_s = process_age_s()
     t_checks = time.perf_counter()
     plan = check_job(dataset=dataset, output=output, run_id=run_id, kind=kind, num_shards=num_shards, model=model,
                      weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
@@ -107,7 +107,10 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
         if entry["shard"] in replicas.ran:
             entry["replica"] = replicas.ran[entry["shard"]]
     summary["data_parallel"] = {"replicas": dp, "failed": replicas.failed}
-    summary["checks_s"] = round(checks_s, 3)  # before the job's clock (wall_s) starts
+    # where the seconds outside the job's clock (wall_s: the manifest's creation to the last commit) go
+    summary["start_s"] = round(start_s, 3) if start_s is not None else None  # the process's start to the checks
+    summary["checks_s"] = round(checks_s, 3)  # before the job's clock starts
+    summary["close_s"] = round(max(replicas.close_s.values()), 3) if replicas.close_s else None  # ranks stopping
     layout.write_json(layout.summary_key, summary)
     if replicas.left:
         raise ReplicasFailed(f"every data-parallel replica failed ({'; '.join(f['error'] for f in replicas.failed)}); "
@@ -117,6 +120,20 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
 
 
 AR_GENERATION = ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k", "top_p")
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux; None elsewhere): the interpreter's start and the
+    imports before a job's checks, which no clock inside the process saw begin."""
+    import os
+    from pathlib import Path
+
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: ticks after boot
+        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class _Replicas:
@@ -131,6 +148,7 @@ class _Replicas:
         self.changed = threading.Condition()
         self.stop = threading.Event()
         self.pools: dict[int, Any] = {}
+        self.close_s: dict[int, float] = {}  # per replica: how long its ranks took to stop after the work
 
     def take(self) -> int | None:
         """The next shard, waiting while others are in flight (a failure may give one back);
@@ -181,6 +199,9 @@ def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[str, d
                     for target, kwargs in shard_steps(shard):
                         run_step(target, kwargs, progress, pool=pool)
                     state.done(shard, index)
+                t_close = time.perf_counter() if pool is not None else None
+            if t_close is not None:  # rank processes stopped
+                state.close_s[index] = time.perf_counter() - t_close
         except Exception as exc:  # noqa: BLE001 - the replica is gone; its shard goes back to the queue
             if not own:
                 raise  # the only replica: the job fails as it always did (nothing uncommitted is trusted)

@@ -214,7 +214,8 @@ def test_a_job_says_what_it_loads_accounts_for_it_and_resumes_as_printed(tmp_pat
     recorded = summary["shards"][0]["steps"]["ar"]["scheduler"]  # the summary rounds its floats
     assert recorded["decode_steps"] == steps[0]["scheduler"]["decode_steps"] > 0
     assert summary["ar_oom_retries"] == summary["gpu_alloc_retries"] == 0
-    assert summary["checks_s"] > 0  # the checks, before the job's clock
+    assert summary["checks_s"] > 0 and summary["start_s"] > 0  # the checks and the CLI's start, before the job's clock
+    assert summary["close_s"] is None  # no rank processes to stop at tp x pp 1
     assert "GPU memory ran short" not in proc.stdout
 
     again = subprocess.run(resume, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

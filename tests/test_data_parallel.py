@@ -74,6 +74,7 @@ def test_two_replicas_match_one_and_each_loads_its_engine_once(dataset, tmp_path
     two = run_job(dataset, out, "dp2", data_parallel_size=2, **JOB)
     assert two["rows_ok"] == one["rows_ok"] == 4 and two["complete"]
     assert two["data_parallel"] == {"replicas": 2, "failed": []}
+    assert one["close_s"] is None and two["close_s"] >= 0  # the replicas' ranks stopping, after the last commit
     assert sorted({s["replica"] for s in two["shards"]}) == [0, 1]  # both replicas did work
     pids = log.read_text().split()
     assert len(pids) == 2 and len(set(pids)) == 2 and str(os.getpid()) not in pids  # one load per replica
