@@ -85,6 +85,15 @@ def count_calls(device: str, parallel) -> int:
     return _calls
 
 
+def mark_at_exit(marker_dir: str, device: str, parallel) -> None:
+    """Register an exit handler that leaves rank<r> in marker_dir (a rank's exit still runs them)."""
+    import atexit
+    from pathlib import Path
+
+    rank = parallel.rank if parallel is not None else 0
+    atexit.register(lambda: (Path(marker_dir) / f"rank{rank}").write_text("exited"))
+
+
 def engine_identity(device: str, parallel) -> int:
     """id() of the tiny TP engine that steps.load_engine gives this rank (cached per rank)."""
     from components.steps import load_engine

@@ -43,6 +43,17 @@ def test_a_rank_pool_keeps_its_processes_and_engines():
     assert all(not p.is_alive() for p in pool.procs)
 
 
+def test_a_closed_pool_s_ranks_exit_cleanly_and_run_their_exit_handlers(tmp_path):
+    """The ranks skip the interpreter's teardown (seconds for a rank holding a model), not the exit
+    handlers: Inductor stops its compile workers in one."""
+    from components.ranks import RankPool
+
+    with RankPool(2, "cpu") as pool:
+        pool.run("tests.parallel_targets:mark_at_exit", {"marker_dir": str(tmp_path)})
+    assert [p.exitcode for p in pool.procs] == [0, 0]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["rank0", "rank1"]
+
+
 def test_a_failure_ends_the_pool():
     from components.ranks import RankPool
 
