@@ -263,3 +263,33 @@ def test_a_job_with_no_kv_reuse_recomputes_every_row(tmp_path):
     ar = pq.read_table(output / "nr" / "shards" / "0" / "ar.parquet").to_pylist()
     assert [r["kv_key"] for r in ar] == [None] * 3  # nothing was put
     assert json.loads((output / "nr" / "summary.json").read_text())["kv_paths"] == {"recompute": 3}
+
+
+class SlowDeletes(LocalStore):
+    """A real local store whose deletes take `delay_s` each."""
+
+    def __init__(self, root, delay_s: float):
+        super().__init__(root)
+        self.delay_s = delay_s
+
+    def delete_prefix(self, prefix):
+        time.sleep(self.delay_s)
+        return super().delete_prefix(prefix)
+
+
+def test_a_long_close_after_the_last_row_is_said_by_part(ar_done, monkeypatch, capfd):
+    """The seconds a DiT step spends after its last row (commit, KV deletes, compile cache) are
+    outside its step record; when they are long the log says which part took them."""
+    import components.dit.run as dit
+    from components.steps import default_kv_store
+
+    output, run_id = ar_done
+    monkeypatch.setattr(dit, "TAIL_SAID_S", 0.4)
+    store = SlowDeletes(default_kv_store(output, run_id).removeprefix("local://"), delay_s=0.5)
+    result, _ = _run_dit(monkeypatch, output, run_id, store)
+    assert result["ok"] == 4
+    (line,) = [ln for ln in capfd.readouterr().err.splitlines() if "after its last row" in ln]
+    parts = dict(p.rsplit(" ", 2)[:2] for p in line.split("(", 1)[1].rstrip(")").split(", "))
+    assert list(parts) == ["commit", "KV deletes and store close", "compile cache"]
+    assert float(parts["KV deletes and store close"]) >= 0.5
+    assert line.startswith("DiT shard 0: ")

@@ -139,18 +139,46 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             layout.write_json(layout.step_timing_key(shard, "dit"), {
                 "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
                 "memory": memory_stats})
+        tail = _Stopwatch()  # the step's work after its last row: said when it is long
         marker = writer.commit() if owner else {}
+        tail.lap("commit")
         kv_io.forget(f"{run_id}/{shard}", prefix=True)
     finally:
         out_io.close()  # a row being written is finished (it is atomic either way), then stop
         kv_io.close()  # closes the store too, within its timeout
+    tail.lap("KV deletes and store close")
     if kv_store is None:
         _remove_if_empty(default_kv_store(output, run_id))
     if compiles is not None:
         compiles.persist()  # what this step compiled, for the next process
+    tail.lap("compile cache")
+    if owner and tail.total() > TAIL_SAID_S:
+        print(f"DiT shard {shard}: {tail.total():.1f} s after its last row ({tail})", file=sys.stderr, flush=True)
     progress.finish(task)
     return {"shard": shard, **marker, "kv_wait_s": round(out_io.kv_wait_s, 4),
             "kv_deletes_failed": kv_io.deletes_failed, "kernel_fallbacks": kernels.fallbacks() - fallbacks_before}
+
+
+TAIL_SAID_S = 2.0  # a step's closing work longer than this is said in the log, split by part
+
+
+class _Stopwatch:
+    """Seconds per named part of some work, each `lap` ending a part."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name] = now - self.t
+        self.t = now
+
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {s:.1f} s" for name, s in self.parts.items())
 
 
 def _remove_if_empty(url: str) -> None:
