@@ -73,3 +73,30 @@ def test_delete_removes_both_forms(tmp_path):
         put_heads(store, "run/0/b", _heads(full, head, head + 1), head, 4)
     assert delete_heads(store, "run/0/a", 4) == 1 and delete_heads(store, "run/0/b", 4) == 4
     assert store.keys("run/") == []
+
+
+def test_delete_removes_layer_parts_and_asks_the_store_once_which_form_is_there(tmp_path):
+    from components.kvstore.local import LocalStore
+
+    class Counting(LocalStore):
+        def __init__(self, root):
+            super().__init__(root)
+            self.batch_queries, self.deletes = 0, []
+
+        def exists_many(self, keys):
+            self.batch_queries += 1
+            return super().exists_many(keys)
+
+        def delete(self, key):
+            self.deletes.append(key)
+            return super().delete(key)
+
+    store = Counting(tmp_path)
+    full = _kv(layers=2)
+    put_heads(store, "run/0/pp", full, 0, 4, layers=range(0, 1), total_layers=2)  # two pipeline stages
+    put_heads(store, "run/0/pp", _kv(layers=1), 0, 4, layers=range(1, 2), total_layers=2)
+    put_heads(store, "run/0/pptp", _heads(_kv(layers=1), 0, 2), 0, 4, layers=range(1, 2), total_layers=2)
+    assert delete_heads(store, "run/0/pp", 4, total_layers=2) == 2
+    assert store.batch_queries == 1 and store.deletes == ["run/0/pp.l0", "run/0/pp.l1"]  # only what is there
+    assert delete_heads(store, "run/0/pptp", 4, total_layers=2) == 2
+    assert store.keys("run/") == []
