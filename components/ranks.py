@@ -369,8 +369,8 @@ def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: flo
 
 def _exit_now() -> None:
     """End a rank whose work is done without the interpreter's teardown of its modules and tensors,
-    which only frees what the process's exit frees anyway (~1.5 s a rank for the tiny model on the
-    CPU; more for a GPU rank holding the model). The exit handlers still run first: they stop
+    which only frees what the process's exit frees anyway (1.5 s a pool of two ranks for the tiny
+    model on the CPU, after the job's last commit). The exit handlers still run first: they stop
     Inductor's compile workers. The steps closed their stores and committed their outputs already."""
     import atexit
 
