@@ -344,3 +344,19 @@ def test_a_full_kv_disk_makes_rows_recompute_not_fail(tmp_path):
     rows = RunLayout.open(str(tmp_path / "out"), "full").read_rows(0).to_pylist()
     assert [r["kv_path"] for r in rows] == ["recompute"] * 2
     assert all("keeps" in r["kv_reason"] and "GiB free" in r["kv_reason"] for r in rows), rows[0]["kv_reason"]
+
+
+def test_a_rows_layer_parts_are_deleted_in_one_query_and_their_deletes(store, run):
+    """An AR at PP stores one part per decoder layer; the DiT's per-row delete finds them with one
+    batch existence query (Mooncake: batch_is_exist) and removes them, part objects too."""
+    from components.kvparts import delete_heads, put_heads
+
+    kv = make_kv(layers=4, heads=2)
+    for stage in (range(0, 2), range(2, 4)):
+        part = type(kv)([kv.keys[j] for j in stage], [kv.values[j] for j in stage], kv.token_ids,
+                        kv.pos_reuse_len, kv.neg_reuse_len, kv.model_id, kv.config_hash)
+        put_heads(store, f"{run}/0/row", part, 0, 2, layers=stage, total_layers=4)
+    put_heads(store, f"{run}/0/other", kv, 0, 2)
+    assert store.keys(f"{run}/0/row") == [f"{run}/0/row.l{j}" for j in range(4)]
+    assert delete_heads(store, f"{run}/0/row", 2, total_layers=4) == 4
+    assert ours(store, run) and all(k.startswith(f"{run}/0/other") for k in ours(store, run))  # spared
