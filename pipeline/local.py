@@ -199,8 +199,8 @@ def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[str, d
                     for target, kwargs in shard_steps(shard):
                         run_step(target, kwargs, progress, pool=pool)
                     state.done(shard, index)
-                t_close = time.perf_counter() if pool is not None else None
-            if t_close is not None:  # rank processes stopped
+                t_close = time.perf_counter()
+            if pool is not None:  # its rank processes stopped when the `with` ended
                 state.close_s[index] = time.perf_counter() - t_close
         except Exception as exc:  # noqa: BLE001 - the replica is gone; its shard goes back to the queue
             if not own:

@@ -139,46 +139,29 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             layout.write_json(layout.step_timing_key(shard, "dit"), {
                 "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
                 "memory": memory_stats})
-        tail = _Stopwatch()  # the step's work after its last row: said when it is long
+        t_rows_done = time.perf_counter()  # the step's work after its last row: said when it is long
         marker = writer.commit() if owner else {}
-        tail.lap("commit")
+        t_committed = time.perf_counter()
         kv_io.forget(f"{run_id}/{shard}", prefix=True)
     finally:
         out_io.close()  # a row being written is finished (it is atomic either way), then stop
         kv_io.close()  # closes the store too, within its timeout
-    tail.lap("KV deletes and store close")
+    t_closed = time.perf_counter()
     if kv_store is None:
         _remove_if_empty(default_kv_store(output, run_id))
     if compiles is not None:
         compiles.persist()  # what this step compiled, for the next process
-    tail.lap("compile cache")
-    if owner and tail.total() > TAIL_SAID_S:
-        print(f"DiT shard {shard}: {tail.total():.1f} s after its last row ({tail})", file=sys.stderr, flush=True)
+    t_end = time.perf_counter()
+    if owner and t_end - t_rows_done > TAIL_SAID_S:
+        print(f"DiT shard {shard}: {t_end - t_rows_done:.1f} s after its last row (commit "
+              f"{t_committed - t_rows_done:.1f} s, KV deletes and store close {t_closed - t_committed:.1f} s, "
+              f"compile cache {t_end - t_closed:.1f} s)", file=sys.stderr, flush=True)
     progress.finish(task)
     return {"shard": shard, **marker, "kv_wait_s": round(out_io.kv_wait_s, 4),
             "kv_deletes_failed": kv_io.deletes_failed, "kernel_fallbacks": kernels.fallbacks() - fallbacks_before}
 
 
 TAIL_SAID_S = 2.0  # a step's closing work longer than this is said in the log, split by part
-
-
-class _Stopwatch:
-    """Seconds per named part of some work, each `lap` ending a part."""
-
-    def __init__(self) -> None:
-        self.parts: dict[str, float] = {}
-        self.t = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.parts[name] = now - self.t
-        self.t = now
-
-    def total(self) -> float:
-        return sum(self.parts.values())
-
-    def __str__(self) -> str:
-        return ", ".join(f"{name} {s:.1f} s" for name, s in self.parts.items())
 
 
 def _remove_if_empty(url: str) -> None:
@@ -377,8 +360,9 @@ class _KVReader:
 
             if prefix:
                 return delete_quietly(self.store, key, prefix=True, attempts=1)
+            _, _, total_heads, _ = self.heads
             try:
-                delete_heads(self.store, key, self.heads[2], self.engine.config.num_hidden_layers)
+                delete_heads(self.store, key, total_heads, self.engine.config.num_hidden_layers)
             except Exception as exc:  # noqa: BLE001 - deleting a consumed payload must never sink a row
                 return f"{type(exc).__name__}: {exc}"
             return None
