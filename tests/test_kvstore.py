@@ -349,13 +349,11 @@ def test_a_full_kv_disk_makes_rows_recompute_not_fail(tmp_path):
 def test_a_rows_layer_parts_are_deleted_in_one_query_and_their_deletes(store, run):
     """An AR at PP stores one part per decoder layer; the DiT's per-row delete finds them with one
     batch existence query (Mooncake: batch_is_exist) and removes them, part objects too."""
-    from components.kvparts import delete_heads, put_heads
+    from components.kvparts import delete_heads, put_heads, slice_kv
 
     kv = make_kv(layers=4, heads=2)
     for stage in (range(0, 2), range(2, 4)):
-        part = type(kv)([kv.keys[j] for j in stage], [kv.values[j] for j in stage], kv.token_ids,
-                        kv.pos_reuse_len, kv.neg_reuse_len, kv.model_id, kv.config_hash)
-        put_heads(store, f"{run}/0/row", part, 0, 2, layers=stage, total_layers=4)
+        put_heads(store, f"{run}/0/row", slice_kv(kv, 0, 2, stage), 0, 2, layers=stage, total_layers=4)
     put_heads(store, f"{run}/0/other", kv, 0, 2)
     assert store.keys(f"{run}/0/row") == [f"{run}/0/row.l{j}" for j in range(4)]
     assert delete_heads(store, f"{run}/0/row", 2, total_layers=4) == 4

@@ -44,8 +44,8 @@ def test_a_rank_pool_keeps_its_processes_and_engines():
 
 
 def test_a_closed_pool_s_ranks_exit_cleanly_and_run_their_exit_handlers(tmp_path):
-    """The ranks skip the interpreter's teardown (seconds for a rank holding a model), not the exit
-    handlers: Inductor stops its compile workers in one."""
+    """The ranks skip the interpreter's teardown (1.5 s a pool for the tiny model on the CPU), not
+    the exit handlers: Inductor stops its compile workers in one."""
     from components.ranks import RankPool
 
     with RankPool(2, "cpu") as pool:

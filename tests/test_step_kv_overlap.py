@@ -321,7 +321,7 @@ def test_each_row_s_kv_parts_are_deleted_behind_the_loop(ar_done, monkeypatch):
     2 x H100 it deleted 1 024 parts after the last row: 7 s a shard)."""
     from components.data.ar_outputs import read_ar_rows
     from components.data.runs import RunLayout
-    from components.kvparts import layer_key, put_heads
+    from components.kvparts import layer_key, put_heads, slice_kv
     from components.steps import default_kv_store
 
     output, run_id = ar_done
@@ -332,9 +332,8 @@ def test_each_row_s_kv_parts_are_deleted_behind_the_loop(ar_done, monkeypatch):
         heads, layers = kv.keys[0].shape[1], kv.num_layers
         store.delete(row["kv_key"])
         for stage in (range(0, layers // 2), range(layers // 2, layers)):
-            part = type(kv)([kv.keys[j] for j in stage], [kv.values[j] for j in stage], kv.token_ids,
-                            kv.pos_reuse_len, kv.neg_reuse_len, kv.model_id, kv.config_hash)
-            put_heads(store, row["kv_key"], part, 0, heads, layers=stage, total_layers=layers)
+            put_heads(store, row["kv_key"], slice_kv(kv, 0, heads, stage), 0, heads, layers=stage,
+                      total_layers=layers)
         parts[rid] = [layer_key(row["kv_key"], j) for j in range(layers)]
     store.deleted.clear()
 
