@@ -12,7 +12,8 @@ IT2I rows with 1024x1024 conditioning images and outputs (--output-size), 8 step
 Per layout it reports: rows ok / failed (and the first failure), wall time, model load time,
 img/GPU-h end to end and without the load (wall - load), seconds per row per stage (AR prefill,
 AR decode, DiT), peak memory per GPU (nvidia-smi, sampled every 0.5 s), kernel fallbacks, and each
-shard's step records (wall time, the AR's pool and decode step, GPU memory peaks and retries).
+shard's step records (wall time, the AR's pool and decode step, frames compiled and their seconds, GPU
+memory peaks and retries).
 With --time-limit the job running at the limit is stopped as Ctrl-C would, and what it committed is
 reported (`cut_by_time_limit`); --out is written after every layout.
 Layout names: tpN, ppN, dpN and combinations joined by 'x' (e.g. pp2xtp2, dp2xtp1).
@@ -327,8 +328,9 @@ def main() -> None:
                       "allocator)" if kv_budget is not None and outside is not None else "")
             print(f"  shard {step['shard']}: AR {ar.get('wall_s')} s (pool {sched.get('pool_rows')} rows{budget}, "
                   f"{sched.get('mean_batch')} a step, decode {per_step and round(per_step, 1)} ms a step, prefill "
-                  f"{sched.get('prefill_s')} s, OOMs {sched.get('oom_retries')}, memory {ar.get('memory')}); "
-                  f"DiT {dit.get('wall_s')} s (memory {dit.get('memory')})")
+                  f"{sched.get('prefill_s')} s, OOMs {sched.get('oom_retries')}, compiles {ar.get('compile')}, "
+                  f"memory {ar.get('memory')}); DiT {dit.get('wall_s')} s (compiles {dit.get('compile')}, "
+                  f"memory {dit.get('memory')})")
 
 
 if __name__ == "__main__":

@@ -210,6 +210,7 @@ def test_a_job_says_what_it_loads_accounts_for_it_and_resumes_as_printed(tmp_pat
     assert steps[0]["wall_s"] > 0 and steps[1]["wall_s"] > 0
     assert steps[0]["scheduler"]["mean_batch"] >= 1 and steps[0]["scheduler"]["oom_retries"] == 0
     assert steps[0]["memory"] == steps[1]["memory"] == {}  # GPU memory is recorded on GPUs only
+    assert steps[0]["compile"] == steps[1]["compile"] == {"frames": 0, "seconds": 0.0}  # the CPU's kernels: plain
     assert steps[0]["scheduler"]["kv_budget_bytes"] is steps[0]["scheduler"]["outside_allocator_bytes"] is None
     recorded = summary["shards"][0]["steps"]["ar"]["scheduler"]  # the summary rounds its floats
     assert recorded["decode_steps"] == steps[0]["scheduler"]["decode_steps"] > 0

@@ -100,9 +100,9 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     t_step = time.perf_counter()
     load_s = t_step - t_load  # 0 when this process had it loaded (a job's later steps)
     from components.engine import compile_cache
-    from components.engine.step_memory import StepMemory
+    from components.engine.step_memory import StepCompiles, StepMemory
 
-    memory = StepMemory(engine.model.device)
+    memory, compiling = StepMemory(engine.model.device), StepCompiles()
 
     compiles = compile_cache.attach(output, engine, log=owner)  # a fresh container starts warm
     store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
@@ -148,12 +148,13 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         puts.wait()
         order = {job.id: i for i, job in enumerate(pending)}
         rows.sort(key=lambda r: order[r["id"]])
-        memory_stats = memory.stats(parallel)  # every rank: the worst rank's
+        memory_stats, compile_stats = memory.stats(parallel), compiling.stats(parallel)  # every rank: the worst's
         if owner:
             write_ar_rows(layout, shard, rows)
             layout.write_json(layout.step_timing_key(shard, "ar"), {
                 "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
-                "scheduler": {k: stats[k] for k in SCHEDULER_RECORD}, "memory": memory_stats})
+                "scheduler": {k: stats[k] for k in SCHEDULER_RECORD}, "memory": memory_stats,
+                "compile": compile_stats})
     except BaseException:
         puts.abandon()  # on the way out: payloads nobody will read are deleted now
         raise

@@ -82,9 +82,9 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     t_step = time.perf_counter()
     load_s = t_step - t_load  # 0 when this process had it loaded (a job's later steps)
     from components.engine import compile_cache
-    from components.engine.step_memory import StepMemory
+    from components.engine.step_memory import StepCompiles, StepMemory
 
-    memory = StepMemory(engine.model.device)
+    memory, compiling = StepMemory(engine.model.device), StepCompiles()
 
     compiles = compile_cache.attach(output, engine, log=owner)  # a fresh container starts warm
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
@@ -134,11 +134,11 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             raise RuntimeError(f"shard {shard}: {len(transient)} row(s) failed in the AR step for a transient reason "
                                f"(first: row {first_id}: {first_error}); the other rows are recorded, resume the run "
                                "to retry these")
-        memory_stats = memory.stats(parallel)  # every rank: the worst rank's
+        memory_stats, compile_stats = memory.stats(parallel), compiling.stats(parallel)  # every rank: the worst's
         if owner:
             layout.write_json(layout.step_timing_key(shard, "dit"), {
                 "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
-                "memory": memory_stats})
+                "memory": memory_stats, "compile": compile_stats})
         t_rows_done = time.perf_counter()  # the step's work after its last row: said when it is long
         marker = writer.commit() if owner else {}
         t_committed = time.perf_counter()
