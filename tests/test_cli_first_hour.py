@@ -213,6 +213,7 @@ def test_a_job_says_what_it_loads_accounts_for_it_and_resumes_as_printed(tmp_pat
     assert steps[0]["compile"] == steps[1]["compile"] == {"frames": 0, "seconds": 0.0}  # the CPU's kernels: plain
     assert steps[0]["scheduler"]["kv_budget_bytes"] is steps[0]["scheduler"]["outside_allocator_bytes"] is None
     recorded = summary["shards"][0]["steps"]["ar"]["scheduler"]  # the summary rounds its floats
+    assert summary["shards"][0]["steps"]["dit"]["compile"] == steps[1]["compile"]
     assert recorded["decode_steps"] == steps[0]["scheduler"]["decode_steps"] > 0
     assert summary["ar_oom_retries"] == summary["gpu_alloc_retries"] == 0
     assert summary["checks_s"] > 0 and summary["start_s"] > 0  # the checks and the CLI's start, before the job's clock

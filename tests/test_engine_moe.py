@@ -202,3 +202,63 @@ def test_kernel_setting_selects_the_moe_path(moe, monkeypatch):
     finally:
         kernels.configure(previous)
     assert calls == ["fused"]
+
+
+def _rank_halves(moe):
+    """The two tensor-parallel ranks' MoEs (experts split in halves), as one process can run them
+    (the all-reduce that sums them is left out: world size 1, the test sums)."""
+    from components.engine.parallel import ParallelContext, ParallelMoE
+
+    ctx = ParallelContext(rank=0, world_size=1, device=torch.device("cpu"))
+    halves = []
+    for first, count in ((0, E // 2), (E // 2, E - E // 2)):
+        half = ParallelMoE(moe, ctx, first, count, shared=None).eval()
+        with torch.no_grad():
+            half.experts.gate_and_up_proj.copy_(moe.experts.gate_and_up_proj[first:first + count])
+            half.experts.down_proj.copy_(moe.experts.down_proj[first:first + count])
+        halves.append(half)
+    return halves
+
+
+@pytest.mark.parametrize("tokens", [5, 64, 65, 200])
+def test_tensor_parallel_experts_sum_to_the_whole_moe(moe, tokens):
+    """Each rank's experts (decode-size batches at static shapes, larger ones sparse) sum to the
+    routed output of the whole MoE."""
+    from components.engine.parallel import STATIC_ROUTING_TOKENS
+
+    assert (tokens <= STATIC_ROUTING_TOKENS) == (tokens <= 64)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+    weights, experts = moe.route(x)
+    whole = moe_loop(x, weights, experts, moe.experts.gate_and_up_proj, moe.experts.down_proj)
+    with torch.no_grad():
+        summed = sum(half(x) for half in _rank_halves(moe))
+    assert _rel(summed, whole) <= 1e-5
+
+
+def test_a_decode_size_batch_splits_experts_without_a_host_sync(moe):
+    """At decode sizes a rank's MoE has no data-dependent shape: no nonzero and no read back to the
+    host (which a CUDA graph cannot hold; tensor-parallel decode graphs failed on it on the GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    previous = kernels.configure(moe="fused")  # the routed experts' own path syncs nowhere either
+    try:
+        half = _rank_halves(moe)[1]
+        x = torch.randn(8, H, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad(), Ops() as ops:
+            half(x)
+        syncing = {name for name in ops.names if name.startswith(("nonzero", "_local_scalar_dense", "item"))}
+        assert not syncing, syncing
+        with torch.no_grad(), Ops() as ops:
+            half(torch.randn(100, H))  # the sparse path above decode sizes: it does read back
+        assert any(name.startswith("nonzero") for name in ops.names)
+    finally:
+        kernels.configure(previous)

@@ -339,6 +339,14 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# Up to this many tokens (an AR decode step's batch) a rank's MoE runs all (token, slot) pairs through
+# its own experts at static shapes, the others' with weight 0: the sparse path reads the rank's
+# token count back to the host, which a CUDA graph cannot hold (the tensor-parallel decode graphs'
+# captures all failed on it, 4-layer stack at --tp 2, 2 x H100, 2026-11-27). Twice the expert rows
+# cost little at decode sizes (weight reads dominate); prefill and the DiT keep the sparse path.
+STATIC_ROUTING_TOKENS = 64
+
+
 class ParallelMoE(nn.Module):
     """This rank's experts and its slice of the shared expert; one all-reduce sums everything."""
 
@@ -363,11 +371,25 @@ class ParallelMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = self.route(flat)
-        per_slot = self._local_experts(flat, weights, experts)
-        out = _combine(per_slot.view(flat.shape[0], self.top_k, -1), weights).view(shape)
+        if flat.shape[0] <= STATIC_ROUTING_TOKENS:
+            out = self._local_experts_static(flat, weights, experts).view(shape)
+        else:
+            per_slot = self._local_experts(flat, weights, experts)
+            out = _combine(per_slot.view(flat.shape[0], self.top_k, -1), weights).view(shape)
         if self.shared_mlp is not None:
             out = out + self.shared_mlp(x)
         return self.ctx.all_reduce_(out)
+
+    def _local_experts_static(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """[N, H]: the weighted sum of this rank's experts' outputs, with no data-dependent shape (so
+        no host sync, and a CUDA graph can hold it): every (token, slot) pair goes through one of
+        this rank's experts, those routed to another rank's with weight 0 (spread over the local
+        experts, so none takes them all)."""
+        local_experts = self.experts.down_proj.shape[0]
+        offset = experts - self.first_expert
+        local = (offset >= 0) & (offset < local_experts)
+        impl = choose_impl(flat) if self.impl == "auto" else self.impl
+        return self.experts(flat, weights * local, offset.remainder(local_experts), impl)
 
     @torch.compiler.disable  # this rank's token count is data-dependent: eager inside a compiled layer
     def _local_experts(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,8 @@ prefetch did not hide) and `kv_wait_fraction` that time over the shard's DiT tim
 `kernel_fallbacks` sums the rows' count of fast kernel paths that failed on a shape and fell back
 to the plain path (a slower row, not a failed one; the first error is in the step's log).
 Per shard, `steps` holds what each step recorded beyond its rows (`shards/<k>/steps/<step>.json`):
-its wall time, the AR scheduler's batch, phases, graph captures and recovered OOMs, and GPU memory
-(peaks, allocator retries: engine/step_memory.py). `ar_oom_retries` and `gpu_alloc_retries` sum
+its wall time, the AR scheduler's batch, phases, graph captures and recovered OOMs, GPU memory
+(peaks, allocator retries: engine/step_memory.py) and what it compiled (frames, seconds). `ar_oom_retries` and `gpu_alloc_retries` sum
 them: a job that ran at the edge of GPU memory failed no row for it, but ran slower.
 Floats are rounded to 4 significant digits.
 """
@@ -91,7 +91,8 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
             tables.append(table.append_column("shard", pa.array([k] * table.num_rows, pa.int64())))
             records = {step: layout.read_json(layout.step_timing_key(k, step)) or {} for step in ("ar", "dit")}
             load_s += sum(r.get("load_s", 0.0) for r in records.values())
-            info.update(steps={step: {key: r[key] for key in ("wall_s", "scheduler", "memory") if key in r}
+            info.update(steps={step: {key: r[key] for key in ("wall_s", "scheduler", "memory", "compile")
+                                      if key in r}
                                for step, r in records.items() if r})
         else:
             pending += entry["rows"]
