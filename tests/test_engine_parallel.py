@@ -103,7 +103,7 @@ def single():
 def test_parallel_ranks_match_one_process(single, world, tmp_path):
     ranks = _spawn(world, tmp_path)
     for r, out in enumerate(ranks):
-        assert out["decode_mode"] == "plain"  # tensor-parallel ranks under decode_graphs=auto
+        assert out["decode_mode"] == "plain"  # decode_graphs=auto on the CPU
         assert out["tokens"] == single["tokens"]
         rel = (out["logits"] - single["logits"]).abs().max() / single["logits"].abs().max()
         assert rel.item() <= 1e-5, f"rank {r}: logits differ by {rel.item():.2e} relative"
@@ -121,8 +121,9 @@ def test_parallel_ranks_match_one_process(single, world, tmp_path):
 
 @pytest.mark.slow
 def test_tensor_parallel_static_decode_matches_one_process(single, tmp_path, monkeypatch):
-    """With decode_graphs=on tensor-parallel ranks run the static decode step (on a GPU, CUDA graphs
-    holding the layers' all-reduces; eager here, all-reduces over gloo): the same tokens and K/V."""
+    """Tensor-parallel ranks run the static decode step (on a GPU, by default, CUDA graphs holding
+    the layers' all-reduces; here eager with decode_graphs=on, all-reduces over gloo): the same
+    tokens and K/V."""
     monkeypatch.setenv("ARDIT_KERNELS", "decode_graphs=on")  # the spawned ranks read it
     for out in _spawn(2, tmp_path):
         assert out["decode_mode"] == "eager"

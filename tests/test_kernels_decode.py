@@ -56,7 +56,7 @@ def test_decode_mode_and_buckets(engine, static_decode):
 def test_decode_mode_under_stages_and_tensor_parallel(engine, static_decode, monkeypatch):
     """As on a GPU (`auto` choosing the fast paths): a pipeline stage takes the static step (CUDA
     graphs on CUDA bf16 weights; "eager" for these CPU ones) as one GPU does, and `off` the plain
-    step. Tensor-parallel ranks take the static step only with `on`, and not under stages as well."""
+    step. Tensor-parallel ranks take the static step too, but not under stages as well."""
     monkeypatch.setattr(kernels, "fast_device", lambda t: True)
     engine.model.parallel = type("Ctx", (), {"world_size": 1, "pp_size": 2})()
     try:
@@ -66,9 +66,10 @@ def test_decode_mode_under_stages_and_tensor_parallel(engine, static_decode, mon
         assert decode_mode(engine.model) == "plain"
         engine.model.parallel.world_size, engine.model.parallel.pp_size = 2, 1
         kernels.configure(decode_graphs="auto")
+        assert decode_mode(engine.model) == "eager"
+        kernels.configure(decode_graphs="off")
         assert decode_mode(engine.model) == "plain"
         kernels.configure(decode_graphs="on")
-        assert decode_mode(engine.model) == "eager"
         engine.model.parallel.pp_size = 2
         assert decode_mode(engine.model) == "plain"
     finally:
