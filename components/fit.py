@@ -136,11 +136,13 @@ def layouts_that_fit(config: Any, replicated_bytes: float, free_bytes: float, *,
                      pipeline_parallel_size: int = 1, quantization: str | None = None, **planned: Any) -> list[str]:
     """The nearest layouts (--tp / --pp doubled or quadrupled, with or without --quantization fp8)
     whose estimate fits `free_bytes`: per choice of quantization the ones with the fewest GPUs,
-    fewest first, each as the flags to add and its GPU count."""
+    fewest first, each as the flags to add and its GPU count. Among as many GPUs, more pipeline
+    stages come first: for batch jobs they were the faster layout (2 x H100, FP8: `--pp 2` 458
+    img/GPU-h end to end, `--tp 2` 184; docs/benchmarks.md)."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     best: dict[str | None, list[tuple[int, str]]] = {}
     for quant in dict.fromkeys([quantization, "fp8"]):
-        for t, p in ((tp, pp), (2 * tp, pp), (tp, 2 * pp), (4 * tp, pp), (2 * tp, 2 * pp), (tp, 4 * pp)):
+        for t, p in ((tp, pp), (tp, 2 * pp), (2 * tp, pp), (tp, 4 * pp), (2 * tp, 2 * pp), (4 * tp, pp)):
             if (t, p, quant) == (tp, pp, quantization) or p > config.num_hidden_layers:
                 continue
             need = estimate(config, replicated_bytes, tensor_parallel_size=t, pipeline_parallel_size=p,

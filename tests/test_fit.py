@@ -55,7 +55,7 @@ def test_fp8_on_one_h100_does_not_fit_and_names_tp2_and_pp2():
         check_fit(MODEL, [H100_FREE], quantization="fp8", gpus_visible=1)
     message = str(e.value)
     assert "does not fit" in message and "79 GB free" in message
-    assert "--tp 2 or --pp 2 (2 GPUs)" in message and "this machine has 1 GPU(s)" in message
+    assert "--pp 2 or --tp 2 (2 GPUs)" in message and "this machine has 1 GPU(s)" in message
     assert check_fit(MODEL, [H100_FREE] * 2, quantization="fp8", tensor_parallel_size=2).total < H100_FREE
     assert check_fit(MODEL, [H100_FREE] * 2, quantization="fp8", pipeline_parallel_size=2).total < H100_FREE
 
@@ -64,8 +64,8 @@ def test_bf16_on_h100s_names_fp8_at_two_gpus_and_bf16_at_four():
     with pytest.raises(ConfigError) as e:
         check_fit(MODEL, [H100_FREE])
     message = str(e.value)
-    assert "--tp 2 --quantization fp8 or --pp 2 --quantization fp8 (2 GPUs)" in message
-    assert "--tp 4 or --tp 2 --pp 2 or --pp 4 (4 GPUs)" in message
+    assert "--pp 2 --quantization fp8 or --tp 2 --quantization fp8 (2 GPUs)" in message
+    assert "--pp 4 or --tp 2 --pp 2 or --tp 4 (4 GPUs)" in message
 
 
 def test_the_tiny_model_fits_anywhere():
@@ -110,7 +110,7 @@ def test_cli_a_layout_that_does_not_fit_is_one_line_exit_2_before_any_work(tmp_p
     err = captured.err.strip().splitlines()
     assert rc == 2 and len(err) == 1, captured.err
     assert err[0].startswith("ardit: error: --model hunyuan-image-3 does not fit at --tp 1 --pp 1 --quantization fp8")
-    assert "--tp 2 or --pp 2 (2 GPUs)" in err[0]
+    assert "--pp 2 or --tp 2 (2 GPUs)" in err[0]
     assert captured.out == "" and not (out / "r").exists()  # nothing started, nothing written
     monkeypatch.setenv("ARDIT_FAKE_GPU_MEMORY", "eighty")
     assert cli.main(["edit", str(data), "-o", str(out), "--device", "cpu"]) == 2
