@@ -29,10 +29,11 @@ shared; see benchmarks/moe_kernels.py).
 same row logic with continuous batching (ar_scheduler.py: rows join and leave the decode batch, each
 prefilled alone in chunks, K/V in per-row slots), which is what the AR step uses.
 
-Where `decode_graphs` selects it (auto: CUDA bf16, not tensor and pipeline parallel at once), the decode runs the
-static-shape step of kernels/decode.py, replayed as CUDA graphs, and picks every row's token on the
-device. Sampled tokens then follow each row's CUDA generator, seeded with the row's seed: the same
-seed gives the same tokens, but not the tokens of the CPU path, whose stream is the CPU generator's.
+Where `decode_graphs` selects it (auto: CUDA bf16, not tensor and pipeline parallel at once), the
+decode runs the static-shape step of kernels/decode.py, replayed as CUDA graphs, and picks every
+row's token on the device. Sampled tokens then follow each row's CUDA generator, seeded with the
+row's seed: the same seed gives the same tokens, but not the tokens of the CPU path, whose stream is
+the CPU generator's.
 """
 
 from __future__ import annotations

@@ -342,7 +342,7 @@ class RowParallelLinear(nn.Module):
 # Up to this many tokens (an AR decode step's batch) a rank's MoE runs all (token, slot) pairs through
 # its own experts at static shapes, the others' with weight 0: the sparse path reads the rank's
 # token count back to the host, which a CUDA graph cannot hold (the tensor-parallel decode graphs'
-# captures all failed on it, 4-layer stack at --tp 2, 2 x H100, 2026-11-27). Twice the expert rows
+# captures all failed on it, 4-layer stack at --tp 2 on two H100s, 2026-11-27). Twice the expert rows
 # cost little at decode sizes (weight reads dominate); prefill and the DiT keep the sparse path.
 STATIC_ROUTING_TOKENS = 64
 

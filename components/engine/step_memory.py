@@ -1,4 +1,5 @@
-"""What a step did to GPU memory and what it compiled, for the step's record (`shards/<k>/steps/<step>.json`).
+"""What a step did to GPU memory and what it compiled, for the step's record
+(`shards/<k>/steps/<step>.json`).
 
 A step that runs at the edge of memory is slow long before it fails: when the caching allocator
 cannot find a block it frees its cache and tries again (`alloc_retries`, each a device-wide sync),

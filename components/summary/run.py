@@ -19,8 +19,9 @@ prefetch did not hide) and `kv_wait_fraction` that time over the shard's DiT tim
 to the plain path (a slower row, not a failed one; the first error is in the step's log).
 Per shard, `steps` holds what each step recorded beyond its rows (`shards/<k>/steps/<step>.json`):
 its wall time, the AR scheduler's batch, phases, graph captures and recovered OOMs, GPU memory
-(peaks, allocator retries: engine/step_memory.py) and what it compiled (frames, seconds). `ar_oom_retries` and `gpu_alloc_retries` sum
-them: a job that ran at the edge of GPU memory failed no row for it, but ran slower.
+(peaks, allocator retries: engine/step_memory.py) and what it compiled (frames, seconds).
+`ar_oom_retries` and `gpu_alloc_retries` sum them: a job that ran at the edge of GPU memory failed
+no row for it, but ran slower.
 Floats are rounded to 4 significant digits.
 """
 

@@ -26,8 +26,9 @@ eagerly (the CPU tests compare it with the plain path). Tensor-parallel ranks' g
 NCCL all-reduces of every layer, and the ranks agree on each capture (all replay, or all run
 eagerly); their MoE runs decode-size batches at static shapes (parallel.STATIC_ROUTING_TOKENS).
 Pipeline stages (without TP) graph their own layers only: the hand-offs between stages stay outside
-the graph (`StaticDecoder._start_stage`), so each stage decides alone whether its graph captured. The graphs belong to one `StaticDecoder`,
-i.e. to one AR batch: they hold the addresses of its KV cache and are captured again for the next.
+the graph (`StaticDecoder._start_stage`), so each stage decides alone whether its graph captured.
+The graphs belong to one `StaticDecoder`, i.e. to one AR batch: they hold the addresses of its KV
+cache and are captured again for the next.
 
 `DeviceSampler` picks every row's token on the logits' device, with one host copy per step.
 """
@@ -65,9 +66,9 @@ def decode_mode(model) -> str:
     step): on the full model in FP8 at --pp 2 (2 x H100, 2026-11-27, docs/benchmarks.md) warm 32-row
     shards decoded at 39-40 ms a step, against 92-99 ms without graphs, with 0 fallbacks.
     Tensor-parallel ranks capture each layer's NCCL all-reduces into the graph (not under pipeline
-    stages as well: those ranks decode plainly): on a full-width 4-layer stack at --tp 2 (2 x H100,
-    2026-11-27) a warm shard decoded at 5.9 ms a step against 13.5 ms plain, and the full model's
-    captures held, with 0 fallbacks."""
+    stages as well: those ranks decode plainly): on a full-width 4-layer stack at --tp 2 (two H100s,
+    2026-11-27, docs/benchmarks.md) a warm shard decoded at 5.9 ms a step against 13.5 ms plain,
+    and the full model's captures held, with 0 fallbacks."""
     weight = model.model.wte.weight
     parallel = getattr(model, "parallel", None)
     if parallel is not None and parallel.world_size > 1 and parallel.pp_size > 1:
