@@ -339,12 +339,14 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-# Up to this many tokens (an AR decode step's batch) a rank's MoE runs all (token, slot) pairs through
-# its own experts at static shapes, the others' with weight 0: the sparse path reads the rank's
-# token count back to the host, which a CUDA graph cannot hold (the tensor-parallel decode graphs'
-# captures all failed on it, 4-layer stack at --tp 2 on two H100s, 2026-11-27). Twice the expert rows
-# cost little at decode sizes (weight reads dominate); prefill and the DiT keep the sparse path.
-STATIC_ROUTING_TOKENS = 64
+# Up to this many tokens (an AR decode step's batch: 1-64 rows, or a multiple of 64 for a large pool)
+# a rank's MoE runs all (token, slot) pairs through its own experts at static shapes, the others'
+# with weight 0: the sparse path reads the rank's token count back to the host, which a CUDA graph
+# cannot hold (the tensor-parallel decode graphs' captures all failed on it, 4-layer stack at
+# --tp 2 on two H100s, 2026-11-27). Twice the expert rows cost little at decode sizes, where
+# reading the experts' weights dominates (measured up to 32 rows; a larger pool, e.g. short T2I
+# prompts, reaches 128-256). Prefill chunks of image blocks and the DiT keep the sparse path.
+STATIC_ROUTING_TOKENS = 256
 
 
 class ParallelMoE(nn.Module):
