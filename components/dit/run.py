@@ -352,23 +352,8 @@ class _KVReader:
         if not self.deletes:
             return
 
-        def remove() -> str | None:
-            """Everything under the shard's prefix, or one row's KV in whichever form the AR wrote
-            (one payload, or a part per head or layer: parts left for the shard's prefix delete
-            cost the 2 x H100 PP2 job 7 s a shard after its last row, for 1 024 files)."""
-            from components.kvparts import delete_heads
-
-            if prefix:
-                return delete_quietly(self.store, key, prefix=True, attempts=1)
-            _, _, total_heads, _ = self.heads
-            try:
-                delete_heads(self.store, key, total_heads, self.engine.config.num_hidden_layers)
-            except Exception as exc:  # noqa: BLE001 - deleting a consumed payload must never sink a row
-                return f"{type(exc).__name__}: {exc}"
-            return None
-
         def delete() -> None:
-            error = "skipped: the store is down" if self.down else self._bounded(remove)
+            error = "skipped: the store is down" if self.down else self._bounded(lambda: self._remove(key, prefix))
             if error:
                 self.deletes_failed += 1
                 if not self.down:
@@ -376,6 +361,19 @@ class _KVReader:
                           "expires with the store's TTL", file=sys.stderr)
                     self._mark_down(f"a delete failed: {error}")
         self.deleter.submit(delete)
+
+    def _remove(self, key: str, prefix: bool) -> str | None:
+        """Everything under the shard's prefix, or one row's KV in whichever form the AR wrote (one
+        payload, or a part per head or layer: parts left for the shard's prefix delete cost the
+        2 x H100 PP2 job 7 s a shard after its last row, for 1 024 files). A failure raises, and
+        `_bounded` reports it."""
+        from components.kvparts import delete_heads
+
+        if prefix:
+            return delete_quietly(self.store, key, prefix=True, attempts=1)
+        _, _, total_heads, _ = self.heads
+        delete_heads(self.store, key, total_heads, self.engine.config.num_hidden_layers)
+        return None
 
     def _bounded(self, call: Any) -> str | None:
         """``call()`` (which returns None or an error) on a daemon thread, given the store's timeout."""

@@ -55,8 +55,8 @@ class StepCompiles:
     def stats(self, parallel: Any = None) -> dict[str, Any]:
         """Frames compiled and seconds spent; under tensor or pipeline parallelism the worst rank's (a
         collective: every rank calls it)."""
-        frames, seconds = (now - then for now, then in zip(_compile_totals(), self.start))
-        values = [frames, round(seconds * 1000)]
+        (frames, seconds), (frames_before, seconds_before) = _compile_totals(), self.start
+        values = [frames - frames_before, round((seconds - seconds_before) * 1000)]
         if parallel is not None:
             values = parallel.agree_max(values)
         return {"frames": int(values[0]), "seconds": round(values[1] / 1000, 2)}
