@@ -104,10 +104,13 @@ class Job:
         return parse_size(self.size)
 
     def pil_images(self) -> list[Any]:
-        """The conditioning images as RGB PIL images (input first, then the reference)."""
+        """The conditioning images as 8-bit RGB PIL images (input first, then the reference); a
+        16-bit or float image is scaled to 8 bits, not clipped (see `images.to_rgb`)."""
         from PIL import Image
 
-        return [Image.open(io.BytesIO(b)).convert("RGB") for b in (self.image, self.reference_image) if b]
+        from .images import to_rgb
+
+        return [to_rgb(Image.open(io.BytesIO(b))) for b in (self.image, self.reference_image) if b]
 
     def to_record(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in SHARD_SCHEMA.names}

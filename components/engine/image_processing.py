@@ -13,8 +13,11 @@ from torch import Tensor
 
 def load_image(image: Image.Image) -> Image.Image:
     """As transformers' `load_image`, which the official processor calls first: EXIF orientation
-    applied, then RGB."""
-    return ImageOps.exif_transpose(image).convert("RGB")
+    applied, then RGB. Byte-identical to it for every 8-bit mode; a wide mode (16-bit gray, 32-bit
+    int, float), which its `convert("RGB")` clips to near-white, is scaled to 8 bits first."""
+    from components.data.images import to_rgb
+
+    return to_rgb(ImageOps.exif_transpose(image))
 
 
 def resize_and_crop(image: Image.Image, width: int, height: int, crop: str = "center") -> Image.Image:

@@ -24,6 +24,7 @@ from typing import Any
 import jinja2
 from PIL import Image
 
+from components.data.images import to_rgb
 from components.data.runs import RunLayout
 from components.report import plots
 
@@ -55,7 +56,7 @@ def _thumb(data: bytes | None) -> str | None:
         return None
     try:
         with Image.open(io.BytesIO(data)) as im:
-            return jpeg_data_uri(im.convert("RGB"))
+            return jpeg_data_uri(to_rgb(im))
     except Exception:  # noqa: BLE001 - an undecodable input is shown as missing (its row says why)
         return None
 

@@ -20,6 +20,8 @@ from matplotlib import colormaps
 from matplotlib.colors import PowerNorm
 from PIL import Image
 
+from components.data.images import to_rgb
+
 HEATMAP_CMAP = "magma"
 HEATMAP_VMAX = 0.25  # |Δ| (pixels in [0, 1]) at the top of the colour scale; larger values saturate
 HEATMAP_GAMMA = 0.5  # square-root scale so small drifts stay visible
@@ -57,7 +59,7 @@ def webp_data_uri(image: Image.Image) -> str:
 
 
 def thumbnail(image: Image.Image, max_side: int = THUMB_MAX) -> Image.Image:
-    image = image.convert("RGB")
+    image = to_rgb(image)
     w, h = image.size
     scale = max_side / max(w, h)
     if scale >= 1:

@@ -19,6 +19,7 @@ import jinja2
 import pyarrow.parquet as pq
 from PIL import Image
 
+from components.data.images import to_rgb
 from components.evaluate.gates import FAIL, PASS, VERDICTS, Thresholds, config_verdict, fmt_db, row_violations
 from components.evaluate.metrics import (
     OK,
@@ -172,7 +173,7 @@ def _open(path: Path | None) -> Image.Image | None:
     if path is None or not path.is_file():
         return None
     with Image.open(path) as im:
-        return im.convert("RGB")
+        return to_rgb(im)
 
 
 def _thumb(image: Image.Image) -> str:
