@@ -115,3 +115,24 @@ def test_a_tensor_parallel_job_shares_its_ranks_across_shards(dataset, tmp_path)
 def _rows_of(output: str, run_id: str) -> dict[str, dict]:
     layout = RunLayout.open(output, run_id)
     return {r["id"]: r for k in range(2) for r in layout.read_rows(k).to_pylist()}
+
+
+# ------------------------------------------------------------------ out of memory on one rank
+@pytest.mark.parametrize("ranks", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_an_oom_on_one_rank_halves_the_batch_on_every_rank_and_the_step_completes(dataset, tmp_path, ranks):
+    """Rank 1 (only) runs out of memory allocating the 2-row K/V pool: the ranks agree, all halve to
+    one row and go on; no row fails, the DiT reuses every row's K/V, and the run keeps the budget
+    that worked for its resume."""
+    out = str(tmp_path)
+    _shard(dataset, out, "oom")
+    common = dict(output=out, run_id="oom", shard=0, model="tiny", device="cpu", seed=0)
+    run_step("tests.oom_targets:ar_out_of_memory_allocating", {**common, **AR, **ranks, "bad_rank": 1})
+    layout = RunLayout.open(out, "oom")
+    scheduler = layout.read_json(layout.step_timing_key(0, "ar"))["scheduler"]
+    assert scheduler["oom_retries"] == 1 and scheduler["pool_rows"] == 1, scheduler
+    assert "OutOfMemoryError allocating a K/V pool of 2 row(s)" in scheduler["events"][0]
+    budget = layout.read_json(layout.settings_key("ar_budget"))
+    assert budget["max_rows"] == 1 and budget["tensor_parallel_size"] == ranks.get("tensor_parallel_size", 1)
+    run_step("components.dit.run:run", {**common, **GEN})
+    rows = _rows(out, "oom")
+    assert len(rows) == 2 and all(r["status"] == "ok" and r["kv_path"] == "reuse" for r in rows.values()), rows

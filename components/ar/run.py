@@ -12,6 +12,10 @@ Error kinds: "input" (the row itself is bad: never retried) and "transient" (out
 failure that may not recur): the DiT step leaves a transient row unrecorded and fails the shard
 retryably after the other rows, so a resume (or the orchestrator's retry) runs it again.
 
+After an OOM the scheduler goes on with half the batch; that budget is kept in the run
+(components/ar/budget.py), and a resume starts from it (under --tp / --pp an OOM inside a forward
+still fails the step, and the retry must not run into it again).
+
 Rows whose image is already committed by the DiT step are skipped (resume). ar.parquet is written
 once, atomically, at the end; a killed AR step leaves nothing the DiT step would trust, and a
 failing one deletes the payloads it already put on its way out (what it cannot delete expires).
@@ -25,6 +29,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from components.ar.budget import apply_budget, read_budget, remember_budget
 from components.data.ar_outputs import read_ar_rows, write_ar_rows
 from components.data.runs import RunLayout
 from components.kvstore.base import delete_quietly
@@ -140,11 +145,22 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                 rows.append(_error_row(job.id, f"AR input: {e}", "input"))
                 progress.advance(task, 1)
         engine.ar.forced_cot = forced_cot
+        admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens)
+        # after an OOM in an earlier step of this run: start from the budget that last worked
+        from_run = apply_budget(admission, read_budget(layout, tensor_parallel_size, pipeline_parallel_size, device),
+                                parallel)
         try:
-            admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens)
             stats = engine.ar.stream(requests, on_result, sampling, export_kv, admission)
+        except BaseException as e:
+            if admission.halved_to is not None and is_out_of_memory(e):  # this rank ran out: the resume halves
+                remember_budget(layout, admission.halved_to, shard, f"{type(e).__name__} failed the step",
+                                tensor_parallel_size, pipeline_parallel_size, device)
+            raise
         finally:
             engine.ar.forced_cot = None
+        if admission.halved_to is not None and owner:
+            remember_budget(layout, admission.halved_to, shard, "the step went on after an OOM",
+                            tensor_parallel_size, pipeline_parallel_size, device)
         puts.wait()
         order = {job.id: i for i, job in enumerate(pending)}
         rows.sort(key=lambda r: order[r["id"]])
@@ -154,7 +170,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             layout.write_json(layout.step_timing_key(shard, "ar"), {
                 "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
                 "scheduler": {k: stats[k] for k in SCHEDULER_RECORD}, "memory": memory_stats,
-                "compile": compile_stats})
+                "compile": compile_stats, "budget_from_run": from_run})
     except BaseException:
         puts.abandon()  # on the way out: payloads nobody will read are deleted now
         raise

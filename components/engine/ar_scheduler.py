@@ -24,7 +24,13 @@ rows.
   gets alone.
 - Out of memory: the failed attempt's pool, graphs and in-flight rows are dropped, the allocator's
   cache emptied, the row cap halved, and the in-flight rows start again (their seeds give the same
-  tokens). A row fails only when it does not fit alone, with its size and what would fit.
+  tokens). A row fails only when it does not fit alone, with its size and what would fit. The
+  halved cap and budget land in `Admission.halved_to`; the AR step keeps them in the run, so a
+  resume starts from the budget that last worked (components/ar/budget.py).
+- Under tensor / pipeline parallelism a rank cannot retry a forward alone (the others wait in its
+  collectives), but the pool is allocated outside any forward: every rank tries its pool, the ranks
+  agree whether one ran out of memory, and all halve and allocate again alike. An OOM inside a
+  forward still fails the step; the halved budget it leaves behind is what the resume starts from.
 - Under pipeline stages every stage runs this loop and takes the same decisions. The pool's rows
   form one group per stage (kernel setting `stage_row_groups`) that decode in turn: a group's step starts
   through the stages without waiting (`StaticDecoder.start`), and its logits land on the group's
@@ -58,6 +64,8 @@ CLOSING_MARGIN = 16  # forced closing tokens may exceed a tiny budget (as ARGene
 
 # tests: called before every scheduler step with the scheduler; may raise torch.OutOfMemoryError
 fault_hook: Callable[["ARScheduler"], None] | None = None
+# tests: called before the K/V pool of `rows` slots is allocated; may raise torch.OutOfMemoryError
+allocation_fault_hook: Callable[["ARScheduler", int], None] | None = None
 
 
 def _wait_for_device(device: torch.device) -> None:
@@ -115,6 +123,17 @@ class Admission:
     # of the GPU memory in use when the budget was set, what PyTorch's allocator does not hold (the
     # CUDA context, libraries' kernels, NCCL's buffers; the fullest rank's): recorded per AR step
     outside_allocator_bytes: int | None = None
+    # after an OOM, the (row cap, K/V budget bytes) the scheduler went on with: None without one
+    halved_to: tuple[int, int | None] | None = None
+
+    def at_most(self, max_rows: int | None, kv_budget_bytes: int | None) -> None:
+        """Lower the row cap and K/V budget to these (None: no limit from them), e.g. to the budget
+        that last worked for this run after an OOM."""
+        if max_rows is not None:
+            self.max_rows = max_rows if self.max_rows is None else min(self.max_rows, max_rows)
+        if kv_budget_bytes is not None:
+            self.kv_budget_bytes = kv_budget_bytes if self.kv_budget_bytes is None \
+                else min(self.kv_budget_bytes, kv_budget_bytes)
 
     @classmethod
     def for_model(cls, model, batch_size: int | str = "auto", gpu_memory_utilization: float = 0.9,
@@ -214,11 +233,10 @@ class ARScheduler:
     """Runs requests through `ARGenerator`'s row logic with continuous batching (module docstring)."""
 
     def __init__(self, ar, sampling, admission: Admission, export_kv: bool = True) -> None:
-        from . import ar as ar_module
         from .kernels.decode import decode_mode
 
         self.ar, self.model, self.sampling, self.export_kv = ar, ar.model, sampling, export_kv
-        self.prefill_decoded = ar_module.PREFILL_DECODED_KV
+        self.prefill_decoded = ar.prefill_decoded_kv
         self.graphs = decode_mode(self.model) == "graphs"
         self.admission = admission
         self.row_cap = admission.max_rows
@@ -262,7 +280,14 @@ class ARScheduler:
             except Exception as e:  # noqa: BLE001 - decided below: retry smaller, alone, or fail the row
                 from .parallel import RankLost
 
-                if isinstance(e, RankLost) or self._ranks_apart():
+                if isinstance(e, RankLost):
+                    raise
+                if self._ranks_apart():
+                    if is_out_of_memory(e):  # the step fails; its resume starts from half the batch
+                        pool_rows = self.pool.k_rows[0].shape[0] if self.pool is not None else 0
+                        self._halve(max(len(self.in_flight), 1), pool_rows or len(self.in_flight))
+                        self.stats.events.append(f"{type(e).__name__} inside a forward of a tensor- / "
+                                                 "pipeline-parallel step: the step fails")
                     raise
                 self._recover(e)
         if self.sending:
@@ -328,7 +353,11 @@ class ARScheduler:
             if self.pool is None or capacity > self.pool.capacity:
                 if self.slots:
                     return  # a longer row: the pool grows once the rows in flight have left
-                self._allocate(capacity)
+                error = self._allocate(capacity)
+                if error is not None:  # not even one slot of this row's size fits (on some rank)
+                    self.waiting.popleft()
+                    self._fail(seq, self._too_large(seq, capacity, error))
+                    continue
             free = self._free_slot()
             if free is None:
                 return
@@ -390,11 +419,36 @@ class ARScheduler:
                 elif pp.pp_rank == 0:
                     seq.cond[i] = EncodedImage(image.footprint, pp.recv_any_stage(k), pp.recv_any_stage(k))
 
-    def _allocate(self, capacity: int) -> None:
-        """A fresh pool of as many slots as fit (and as rows are left), `capacity` tokens each."""
-        self._release()
-        left = len(self.waiting) + len(self.slots)
-        rows = max(1, min(self._rows_that_fit(capacity), left))
+    def _allocate(self, capacity: int) -> BaseException | None:
+        """A fresh pool of as many slots as fit (and as rows are left), `capacity` tokens each. Out
+        of memory (on any rank: they agree), the row cap and budget halve and it tries again; the
+        error when even one slot does not fit (the pool is None then), else None."""
+        while True:
+            self._release()
+            left = len(self.waiting) + len(self.slots)
+            rows = max(1, min(self._rows_that_fit(capacity), left))
+            error: BaseException | None = None
+            try:
+                if allocation_fault_hook is not None:
+                    allocation_fault_hook(self, rows)
+                self._new_pool(rows, capacity)
+            except Exception as e:  # noqa: BLE001 - out of memory is decided below, the rest raises
+                if not is_out_of_memory(e):
+                    raise
+                error = e
+            if self._ranks_apart():  # every rank allocates alike: all go on, or all halve
+                if self.model.parallel.agree_max([int(error is not None)])[0] and error is None:
+                    error = torch.OutOfMemoryError("another rank ran out of memory allocating its K/V pool")
+            if error is None:
+                return None
+            self._release()
+            self.stats.events.append(f"{type(error).__name__} allocating a K/V pool of {rows} row(s)")
+            if rows == 1:
+                return error
+            self.stats.oom_retries += 1
+            self._halve(rows, rows)
+
+    def _new_pool(self, rows: int, capacity: int) -> None:
         self.pool = self.model.new_cache(rows, capacity)
         self.decoder = StaticDecoder(self.model, self.pool, torch.zeros(rows, capacity, dtype=torch.bool), [0] * rows,
                                      self.ar.tok.pad, self.graphs)
@@ -637,13 +691,19 @@ class ARScheduler:
             return
         if oom:
             self.stats.oom_retries += 1
-            self.row_cap = max(1, min(len(rows), pool_rows) // 2)
-            if self.kv_budget is not None:
-                self.kv_budget //= 2
+            self._halve(len(rows), pool_rows)
         else:
             for seq in rows:
                 seq.solo = True
         self.waiting.extendleft(reversed(rows))
+
+    def _halve(self, rows_in_flight: int, pool_rows: int) -> None:
+        """After an OOM: half the rows that were in flight, half the K/V budget (kept in the admission,
+        so the AR step can hand them to a resume)."""
+        self.row_cap = max(1, min(rows_in_flight, pool_rows) // 2)
+        if self.kv_budget is not None:
+            self.kv_budget //= 2
+        self.admission.halved_to = (self.row_cap, self.kv_budget)
 
     def _too_large(self, seq: _Seq, capacity: int | None, error: BaseException | None = None) -> RowTooLarge:
         req = seq.request
