@@ -7,6 +7,7 @@ workflow engines retry them. The cheap checks come first, before torch or the en
 (a mistake there is answered in about a second):
 
     options          numbers in range, choices (steps >= 1, guidance >= 0, bot_task, dtype, ...)
+    model name       a name that is no path nor repo id is a known one (a typo: "did you mean")
     dataset          reachable, Parquet, with the columns of its kind, at least one row
     output           writable (S3: bucket exists, credentials work, a probe object can be written)
     KV store URL     parses; the embedded store's directory can be created
@@ -19,12 +20,14 @@ then, with the engine's code:
     GPUs             dp x tp x pp GPUs exist; one model copy fits each GPU's free memory
                      (components.fit), else what would fit: --tp 2, --pp 2, --quantization fp8
 
-Nothing is created by the checks: the output directory appears once they all passed.
+Nothing is created by the checks: the output directory appears once they all passed (a directory
+is tested by writing a probe into it, removed at once).
 """
 
 from __future__ import annotations
 
-import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +89,36 @@ def check_creatable_dir(path: Path, what: str) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"{what}: {'it' if existing == path else existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what}: cannot write there ({existing} is not writable); choose a directory you "
-                          "can write")
+    # written to, not asked (os.access): root passes every access check, also where nothing can be
+    # created (/proc, a read-only mount)
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".ardit-probe-", dir=existing))
+        try:
+            (probe / "probe").write_bytes(b"")
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot write there ({existing}: {exc.strerror or exc}); choose a directory "
+                          "you can write") from None
+
+
+# the model names of components.engine.resolve (its PRESETS and the installed demo checkpoint), here
+# without importing the engine (a test keeps them in step)
+MODEL_NAMES = ("tiny", "hunyuan-image-3", "hunyuan-image-3-distil", "demo")
+
+
+def check_model_name(model: str) -> None:
+    """A --model that can only be a model's name (no path, no repo id) is one, else a ConfigError now:
+    a typo is answered before torch and the engine are imported, seconds earlier (the full check,
+    with checkpoint directories and the Hugging Face cache, is components.steps.resolve_model)."""
+    import difflib
+
+    if model in MODEL_NAMES or "/" in model or model.startswith((".", "~")) or Path(model).exists():
+        return
+    close = difflib.get_close_matches(model, MODEL_NAMES, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise ConfigError(f"--model {model}: unknown model {model!r}: {hint}use one of {', '.join(MODEL_NAMES)}, a "
+                      "checkpoint directory or a Hugging Face repo id such as tencent/HunyuanImage-3.0-Instruct")
 
 
 def check_kv_url(url: str) -> None:
@@ -271,6 +301,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     if weights is not None and not Path(weights).expanduser().is_dir():
         raise ConfigError(f"--weights {weights}: no such directory")
     # cheap checks: no torch, no engine yet
+    check_model_name(model)
     source = check_dataset(dataset, kind)
     check_output(output)
     kv_url = None if not kv_reuse or ar_from_run else kv_store or default_kv_store(output, run_id)

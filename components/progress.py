@@ -1,9 +1,11 @@
 """Progress of the shard steps: rich bars on a terminal, plain log lines anywhere else.
 
 The AR and DiT steps call `task = progress.add_task(label, total)`, `progress.advance(task, n)`
-and `progress.finish(task)` (or `progress.skip(label, why)` when resuming leaves them nothing). On a TTY that draws rich bars; in CI logs and pods (stderr not a
-TTY) it writes one line when a shard step ends, with rows done, rows/s and the ETA of the job,
-and a line every `interval_s` while a long step runs.
+and `progress.finish(task)` (or `progress.skip(label, why)` when resuming leaves them nothing); a local
+job says with `progress.redo(message, steps)` that a data-parallel replica failed and its shard's finished
+steps run again. On a TTY that draws rich bars; in CI logs and pods (stderr not a TTY) it writes one
+line when a shard step ends, with rows done, rows/s and the ETA of the job, and a line every
+`interval_s` while a long step runs.
 """
 
 from __future__ import annotations
@@ -94,6 +96,12 @@ class LogProgress:
         """A shard step with nothing to do (resume)."""
         self._line(f"{label}: skipped ({why})" + self._job())
 
+    def redo(self, message: str, steps: int) -> None:
+        """A data-parallel replica failed: say so, and count the `steps` shard steps it finished for the
+        shard it gave back once more in the job's total (they run again on another replica)."""
+        self.job_steps += steps if self.job_steps else 0
+        self._line(message)
+
     def _job(self) -> str:
         self.steps_done += 1
         if not self.job_steps:
@@ -145,6 +153,9 @@ class RichProgress:
     def skip(self, label: str, why: str) -> None:
         self.bars.console.print(f"{label}: skipped ({why})")
 
+    def redo(self, message: str, steps: int) -> None:
+        self.bars.console.print(message)
+
 
 class NoProgress:
     def __enter__(self) -> NoProgress:
@@ -163,6 +174,9 @@ class NoProgress:
         pass
 
     def skip(self, label: str, why: str) -> None:
+        pass
+
+    def redo(self, message: str, steps: int) -> None:
         pass
 
 
@@ -188,6 +202,10 @@ class SharedProgress:
     def skip(self, label: str, why: str) -> None:
         with self.lock:
             self.inner.skip(label, why)
+
+    def redo(self, message: str, steps: int) -> None:
+        with self.lock:
+            self.inner.redo(message, steps)
 
 
 def make_progress(mode: bool | str = "auto", job_steps: int = 0,

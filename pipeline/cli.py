@@ -2,23 +2,27 @@
 
 Exit codes: 0 ok; 1 the work ran but some rows failed (or an unexpected error); 2 a usage or
 configuration error caught before any work (one line on stderr: what, where, how to fix; the
-traceback only with --debug or ARDIT_DEBUG=1); 130 interrupted (Ctrl-C).
+traceback only with --debug or ARDIT_DEBUG=1); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: stopped
+as on Ctrl-C, with the command that resumes the run).
 
 Nothing heavy is imported at module level (no torch, boto3, kfp): `ardit --help` stays fast.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
+import re
 import shutil
+import signal
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from components.errors import one_line
 from components.ranks import dump_stacks_on_signal, gpu_env_defaults, rank_timeout_s
@@ -47,63 +51,102 @@ def _root(debug: Annotated[bool, typer.Option(
 
 
 FROM_CONFIG = "default: the model's generation config"
-Output = Annotated[str, typer.Option("--output", "-o", help="output root: a directory or s3://bucket/prefix")]
+# --help groups a job's options in these panels
+DATA, MODEL, GENERATION, SCHEDULING, STORAGE = ("Data and output", "Model and parallelism", "Generation",
+                                                "AR scheduling", "Storage")
+Output = Annotated[str, typer.Option("--output", "-o", help="output root: a directory or s3://bucket/prefix",
+                                     rich_help_panel=DATA)]
 RunId = Annotated[Optional[str], typer.Option(
     "--run-id", help="name of the run; pass an existing one to resume it (default: a new id, printed with the "
-    "command that resumes it)")]
+    "command that resumes it)", rich_help_panel=DATA)]
 Shards = Annotated[str, typer.Option("--num-shards", help="shards to split the dataset into: auto (at least one "
-                                     "per model copy, at most 64 rows a shard, 2 for small datasets) or a number")]
+                                     "per model copy, at most 64 rows a shard, 2 for small datasets) or a number",
+                                     rich_help_panel=DATA)]
+Seed = Annotated[int, typer.Option("--seed", help="base seed for rows without their own `seed` column",
+                                   rich_help_panel=DATA)]
 KVStore = Annotated[Optional[str], typer.Option(
     "--kv-store", help="mooncake://host:port?metadata=... (see `ardit store up`); default: a local directory "
-    "beside the outputs")]
+    "beside the outputs", rich_help_panel=STORAGE)]
+NoKVReuse = Annotated[bool, typer.Option(
+    "--no-kv-reuse", help="recompute the prompt K/V in the DiT step instead of taking the AR step's",
+    rich_help_panel=STORAGE)]
 Model = Annotated[str, typer.Option(
-    "--model", help="tiny | hunyuan-image-3 | a checkpoint directory | a Hugging Face repo id")]
+    "--model", help="tiny | hunyuan-image-3 | hunyuan-image-3-distil | a checkpoint directory | a Hugging Face "
+    "repo id", rich_help_panel=MODEL)]
 Weights = Annotated[Optional[str], typer.Option(
-    "--weights", help="safetensors directory (default: the checkpoint's; presets: seeded random weights)")]
+    "--weights", help="safetensors directory (default: the checkpoint's; presets: seeded random weights)",
+    rich_help_panel=MODEL)]
 DummyWeights = Annotated[bool, typer.Option(
-    "--dummy-weights", help="seeded random weights with the model's config (implied for hunyuan-image-3)")]
-TP = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", help="GPUs per pipeline stage of a model copy")]
+    "--dummy-weights", help="seeded random weights with the model's config (implied for the presets)",
+    rich_help_panel=MODEL)]
+# vLLM's spellings too: -tp, -pp, -dp
+TP = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", "-tp", help="GPUs per pipeline stage of a "
+                                 "model copy", rich_help_panel=MODEL)]
 PP = Annotated[int, typer.Option(
-    "--pipeline-parallel-size", "--pp", help="pipeline stages per model copy (a model copy takes tp x pp GPUs)")]
+    "--pipeline-parallel-size", "--pp", "-pp", help="pipeline stages per model copy (a model copy takes tp x pp "
+    "GPUs)", rich_help_panel=MODEL)]
 DP = Annotated[Optional[int], typer.Option(
-    "--data-parallel-size", "--dp", help="model copies working through the shards side by side (default: as many "
-    "as the visible GPUs hold, GPUs / (tp x pp); 1 on the CPU)")]
-Quantization = Annotated[Optional[str], typer.Option("--quantization", help="fp8 (default: none)")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 (default: the model config's)")]
-Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
-Steps = Annotated[Optional[int], typer.Option("--steps", help=f"denoising steps ({FROM_CONFIG})")]
+    "--data-parallel-size", "--dp", "-dp", help="model copies working through the shards side by side (default: "
+    "as many as the visible GPUs hold, GPUs / (tp x pp); 1 on the CPU)", rich_help_panel=MODEL)]
+Quantization = Annotated[Optional[str], typer.Option("--quantization", help="fp8 (default: none)",
+                                                     rich_help_panel=MODEL)]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 (default: the model config's)",
+                                              rich_help_panel=MODEL)]
+Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N", rich_help_panel=MODEL)]
+Steps = Annotated[Optional[int], typer.Option("--steps", help=f"denoising steps ({FROM_CONFIG})",
+                                              rich_help_panel=GENERATION)]
 Guidance = Annotated[Optional[float], typer.Option(
-    "--guidance", help=f"CFG scale, >= 0; <= 1 turns CFG off ({FROM_CONFIG})")]
-FlowShift = Annotated[Optional[float], typer.Option("--flow-shift", help=f"scheduler shift ({FROM_CONFIG})")]
+    "--guidance", help=f"CFG scale, >= 0; <= 1 turns CFG off ({FROM_CONFIG})", rich_help_panel=GENERATION)]
+FlowShift = Annotated[Optional[float], typer.Option("--flow-shift", help=f"scheduler shift ({FROM_CONFIG})",
+                                                    rich_help_panel=GENERATION)]
 StepCache = Annotated[float, typer.Option(
     "--step-cache", help="approximate DiT speed-up: skip the deep layers on steps where the first layer's output "
-                         "changed less than this fraction (0 = off, exact; typical 0.05-0.15)")]
+                         "changed less than this fraction (0 = off, exact; typical 0.05-0.15)",
+    rich_help_panel=GENERATION)]
 BotTask = Annotated[Optional[str], typer.Option(
-    "--bot-task", help=f"image | recaption | think | think_recaption | auto ({FROM_CONFIG})")]
+    "--bot-task", help=f"image | recaption | think | think_recaption | auto ({FROM_CONFIG})",
+    rich_help_panel=GENERATION)]
 SystemPrompt = Annotated[Optional[str], typer.Option(
     "--system-prompt", help=f"en_vanilla | en_recaption | en_think_recaption | en_unified | none | dynamic | "
-    f"your own text ({FROM_CONFIG})")]
+    f"your own text ({FROM_CONFIG})", rich_help_panel=GENERATION)]
 MaxNewTokens = Annotated[Optional[int], typer.Option(
-    "--max-new-tokens", help=f"CoT token budget per stage ({FROM_CONFIG})")]
+    "--max-new-tokens", help=f"CoT token budget per stage ({FROM_CONFIG})", rich_help_panel=GENERATION)]
 Temperature = Annotated[Optional[float], typer.Option(
-    "--temperature", help=f"AR sampling temperature, 0 = greedy ({FROM_CONFIG})")]
-TopK = Annotated[Optional[int], typer.Option("--top-k", help=f"AR top-k, 0 = off ({FROM_CONFIG})")]
-TopP = Annotated[Optional[float], typer.Option("--top-p", help=f"AR nucleus sampling, (0, 1] ({FROM_CONFIG})")]
-Greedy = Annotated[bool, typer.Option("--greedy", help="greedy AR decoding (temperature 0)")]
-NoKVReuse = Annotated[bool, typer.Option(
-    "--no-kv-reuse", help="recompute the prompt K/V in the DiT step instead of taking the AR step's")]
-Seed = Annotated[int, typer.Option("--seed", help="base seed for rows without their own `seed` column")]
-Dataset = Annotated[str, typer.Argument(help="the dataset: a Parquet file, a directory of them, or "
-                                              "s3://bucket/prefix (columns: see the README)")]
+    "--temperature", help=f"AR sampling temperature, 0 = greedy ({FROM_CONFIG})", rich_help_panel=GENERATION)]
+TopK = Annotated[Optional[int], typer.Option("--top-k", help=f"AR top-k, 0 = off ({FROM_CONFIG})",
+                                             rich_help_panel=GENERATION)]
+TopP = Annotated[Optional[float], typer.Option("--top-p", help=f"AR nucleus sampling, (0, 1] ({FROM_CONFIG})",
+                                               rich_help_panel=GENERATION)]
+Greedy = Annotated[bool, typer.Option("--greedy", help="greedy AR decoding (temperature 0)",
+                                      rich_help_panel=GENERATION)]
+Dataset = Annotated[str, typer.Argument(metavar="DATASET", help="the dataset: a Parquet file, a directory of "
+                                        "them, or s3://bucket/prefix (columns: see the README)")]
 BatchSize = Annotated[str, typer.Option("--batch-size", help="AR rows in flight: auto (sized to GPU memory; 8 on "
-                                        "the CPU) or a hard cap")]
+                                        "the CPU) or a hard cap", rich_help_panel=SCHEDULING)]
 GpuMemoryUtilization = Annotated[float, typer.Option(
-    "--gpu-memory-utilization", help="share of GPU memory the AR step may fill (weights, K/V, activations)")]
+    "--gpu-memory-utilization", help="share of GPU memory the AR step may fill (weights, K/V, activations)",
+    rich_help_panel=SCHEDULING)]
 MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(
-    "--max-num-batched-tokens", help="AR prompt tokens prefilled per step, between decode steps (default 2048)")]
+    "--max-num-batched-tokens", help="AR prompt tokens prefilled per step, between decode steps (default 2048)",
+    rich_help_panel=SCHEDULING)]
 BatchInvariant = Annotated[bool, typer.Option(
     "--batch-invariant", help="each row's AR computed alone: its CoT, K/V and image are bitwise independent of "
-    "its batch and shard (slower AR decode)")]
+    "its batch and shard (slower AR decode)", rich_help_panel=SCHEDULING)]
+
+
+class _Command(TyperCommand):
+    """A command of this file as --help shows it: arguments in the usage line as DATASET (typer
+    writes {dataset}) and on/off flags without a `<bool>` type."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [re.sub(r"^\{(.+)\}$", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
 
 
 def _resume_command(run_id: str | None) -> str:
@@ -140,12 +183,13 @@ def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_r
 
     try:
         summary = run_job(dataset, output, run_id, kind=kind, on_start=started, **options)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (Terminated)
         st = run_status(output, run_id)
         done = (f"committed {len(st['committed'])} of {st['num_shards']} shard(s), plus {st['rows_recorded']} "
                 f"row(s) of the others" if st["sharded"] else "nothing was committed")
-        typer.echo(f"interrupted: {done}; resume with: {resume}", err=True)
-        raise typer.Exit(130) from None
+        how, code = ("terminated (SIGTERM)", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
+        typer.echo(f"{how}: {done}; resume with: {resume}", err=True)
+        raise typer.Exit(code) from None
     if summary.get("nothing_to_do"):
         failed = f", {summary['rows_failed']} of them failed" if summary.get("rows_failed") else ""
         typer.echo(f"run {run_id}: nothing to do: all {summary.get('num_shards')} shard(s) are committed "
@@ -177,18 +221,77 @@ def _print_failed_rows(summary: dict) -> None:
         typer.echo(f"  {e['id']} (shard {e['shard']}): {one_line(e['error'] or 'failed')}", err=True)
 
 
+# the parts of a job's time split (summary.json's time_split_s), as the closing table names them
+TIME_PARTS = {"load": "model loads", "ar": "AR: prefill + decode", "kv": "K/V handoff: put + get",
+              "dit": "DiT: denoising + VAE decode", "other": "other: sharding, images, writes, commits"}
+KV_PATHS = {"reuse": "taken from the AR step", "recompute": "recomputed by the DiT step"}
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f} s" if value < 600 else f"{value / 60:.1f} min"
+
+
+def _share(value: float | None, whole: float | None) -> str:
+    return f"{value / whole:.0%}" if value is not None and whole else ""
+
+
 def _print_summary(summary: dict, output: str, run_id: str) -> None:
+    """The closing lines of a job, for a person (all of it, and more, is in summary.json): images,
+    throughput, the K/V path, and where the time went, per data-parallel replica where they overlap."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"run {run_id}", show_header=False)
-    keys = ("rows_total", "rows_ok", "rows_failed", "images_per_minute", "kv_paths", "kv_wait_fraction",
-            "time_split_s", "wall_s")
-    for key in keys:
-        if key in summary:
-            value = summary[key]
-            table.add_row(key, json.dumps(value) if isinstance(value, (dict, list)) else f"{value}")
-    Console().print(table)
+    wall = summary.get("wall_s")
+    ok, total, failed = summary.get("rows_ok", 0), summary.get("rows_total", 0), summary.get("rows_failed", 0)
+    facts = Table.grid(padding=(0, 2))
+    images = f"{ok} of {total} ok" + (f", {failed} failed" if failed else "")
+    if summary.get("rows_pending"):
+        images += f", {summary['rows_pending']} in shards not committed"
+    facts.add_row("images", images)
+    if summary.get("images_per_minute") is not None:
+        facts.add_row("throughput", f"{summary['images_per_minute']:.3g} images/min over {_seconds(wall)} "
+                                    "(the shards' creation to the last commit)")
+    kv = ", ".join(f"{n} {KV_PATHS.get(path, path)}" for path, n in (summary.get("kv_paths") or {}).items())
+    if summary.get("kv_wait_fraction"):
+        kv += f"; the DiT waited for K/V {summary['kv_wait_fraction']:.1%} of its time"
+    if kv:
+        facts.add_row("K/V", kv)
+    parallel = summary.get("data_parallel") or {}
+    replicas = summary.get("time_split_by_replica_s") or {}
+    lost = parallel.get("failed") or []
+    if replicas:
+        facts.add_row("replicas", f"{parallel.get('replicas', len(replicas))} model copies side by side"
+                      + (f", {len(lost)} lost on the way (their shards redone by the others)" if lost else ""))
+    console = Console()
+    console.print(f"run {run_id}", style="bold")
+    console.print(facts)
+
+    split = summary.get("time_split_s") or {}
+    table = Table(title="where the time went", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("")
+    if replicas:  # each replica's own clock: their steps overlap, so one sum would exceed the wall time
+        for name in replicas:
+            table.add_column(f"replica {name}", justify="right")
+            table.add_column("", justify="right")
+        for part, label in TIME_PARTS.items():
+            cells = []
+            for times in replicas.values():
+                cells += [_seconds(times.get(part)), _share(times.get(part), wall)]
+            table.add_row(label, *cells)
+    else:
+        table.add_column("time", justify="right")
+        table.add_column("share", justify="right")
+        for part, label in TIME_PARTS.items():
+            if part in split:
+                table.add_row(label, _seconds(split[part]), _share(split[part], wall))
+    table.add_section()
+    table.add_row("wall", *([_seconds(wall), ""] * max(1, len(replicas))))
+    console.print(table)
+    for failure in lost:  # the job may end well (exit 0): say it here too, not only in summary.json
+        shard = f" on shard {failure['shard']}" if failure.get("shard") is not None else ""
+        typer.echo(f"a data-parallel replica was lost{shard}: {one_line(failure['error'])}", err=True)
     ooms, retries = summary.get("ar_oom_retries") or 0, summary.get("gpu_alloc_retries") or 0
     if ooms:  # no row failed for it, but the AR step redid work with fewer rows
         typer.echo(f"GPU memory ran short in the AR step: it went on with fewer rows after {ooms} OOM(s), which "
@@ -203,16 +306,16 @@ def _print_summary(summary: dict, output: str, run_id: str) -> None:
 def _job_command(kind: str):
     def command(
         dataset: Dataset,
-        output: Output = "outputs", run_id: RunId = None, num_shards: Shards = "auto", kv_store: KVStore = None,
+        output: Output = "outputs", run_id: RunId = None, num_shards: Shards = "auto", seed: Seed = 0,
         model: Model = "tiny", weights: Weights = None, dummy_weights: DummyWeights = False,
         tensor_parallel_size: TP = 1, pipeline_parallel_size: PP = 1, data_parallel_size: DP = None,
         quantization: Quantization = None, dtype: Dtype = None, device: Device = "auto", steps: Steps = None,
-        guidance: Guidance = None, flow_shift: FlowShift = None,
+        guidance: Guidance = None, flow_shift: FlowShift = None, step_cache: StepCache = 0.0,
         bot_task: BotTask = None, system_prompt: SystemPrompt = None, max_new_tokens: MaxNewTokens = None,
         temperature: Temperature = None, top_k: TopK = None, top_p: TopP = None, greedy: Greedy = False,
-        no_kv_reuse: NoKVReuse = False, seed: Seed = 0, batch_size: BatchSize = "auto", step_cache: StepCache = 0.0,
-        batch_invariant: BatchInvariant = False, gpu_memory_utilization: GpuMemoryUtilization = 0.9,
-        max_num_batched_tokens: MaxNumBatchedTokens = None,
+        batch_size: BatchSize = "auto", gpu_memory_utilization: GpuMemoryUtilization = 0.9,
+        max_num_batched_tokens: MaxNumBatchedTokens = None, batch_invariant: BatchInvariant = False,
+        kv_store: KVStore = None, no_kv_reuse: NoKVReuse = False,
     ) -> None:
         from components.steps import auto_or_int
 
@@ -229,15 +332,15 @@ def _job_command(kind: str):
     return command
 
 
-app.command("edit", help="Edit images: instruction + image per row -> edited image per row "
+app.command("edit", cls=_Command, help="Edit images: instruction + image per row -> edited image per row "
                          "(shard -> AR -> DiT -> summary, on this machine).")(_job_command("edit"))
-app.command("generate", help="Generate images: prompt per row -> image per row "
+app.command("generate", cls=_Command, help="Generate images: prompt per row -> image per row "
                              "(shard -> AR -> DiT -> summary, on this machine).")(_job_command("generate"))
 
 
-@app.command("sample-data")
-def sample_data(path: Annotated[str, typer.Argument(help="where to write the Parquet file (or s3://...)")]
-                = "sample_edit.parquet",
+@app.command("sample-data", cls=_Command)
+def sample_data(path: Annotated[str, typer.Argument(
+                    metavar="PATH", help="where to write the Parquet file (or s3://...)")] = "sample_edit.parquet",
                 kind: Annotated[str, typer.Option("--kind", help="edit | generate")] = "edit",
                 rows: Annotated[int, typer.Option("--rows", "-n", help="number of rows")] = 8) -> None:
     """Write a small dataset of synthetic images and instructions (nothing downloaded)."""
@@ -252,7 +355,7 @@ def sample_data(path: Annotated[str, typer.Argument(help="where to write the Par
     typer.echo(f"wrote {rows} {kind} rows to {written}")
 
 
-@app.command()
+@app.command(cls=_Command)
 def demo(output: Output = "demo", steps: Steps = None) -> None:
     """Generate a few images and edits with the tiny model on CPU (random weights: noise-like images)."""
     out = Path(output)
@@ -267,6 +370,29 @@ def demo(output: Output = "demo", steps: Steps = None) -> None:
 # ------------------------------------------------------------------------------- error handling
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: what a pod gets on eviction and a workflow step at its deadline. A job stops as on
+    Ctrl-C (what is committed stays, the resume command is printed), with exit code 143."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    import multiprocessing
+
+    # A terminal's Ctrl-C reaches the rank processes too; a SIGTERM reaches only this process, and a
+    # pod's grace period (30 s by default) would end before the ranks finish their step: stop them now
+    for child in multiprocessing.active_children():
+        child.terminate()
+    raise Terminated()
+
+
+def _quiet_torch_warnings() -> None:
+    """torch's C++ warnings stay out of the terminal unless --debug: NCCL's note on the pipeline
+    stages' point-to-point links ("unbatched P2P op ... lazy initialization") came once per rank and
+    link, noise a user can do nothing about. Errors still show. Read when torch is imported, so set
+    before (rank processes inherit it); a value the user set is kept."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (see the module docstring)."""
     import typer._click.exceptions as click_errors  # typer's click (it vendors one)
@@ -278,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in args or os.environ.get("ARDIT_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
     command = get_command(app)
+    if not debug:
+        _quiet_torch_warnings()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
         gpu_env_defaults()  # before anything starts CUDA
         dump_stacks_on_signal()
@@ -295,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         return code
+    except Terminated:
+        print("ardit: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except (KeyboardInterrupt, typer.Abort):
         print("ardit: interrupted", file=sys.stderr)
         return 130
@@ -304,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ardit: error: {type(exc).__name__}: {one_line(exc)} (run again with --debug for the traceback)",
               file=sys.stderr)
         return 1
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ retires; the others finish the job. `ardit edit` / `ardit generate` and the accu
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +54,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     from components.shard.run import run as run_shard
     from components.steps import check_engine_options, quantization_option
     from components.summary.run import run as run_summary
-    from components.summary.run import summarize
+    from components.summary.run import split_by_replica, summarize
 
     quantization = quantization_option(quantization)  # "none" (a sweep's, a user's) is no quantization
     check_engine_options(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
@@ -99,13 +100,15 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
 
     todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
     dp = min(plan["data_parallel_size"], max(len(todo), 1))  # no replica without a shard to take
+    if data_parallel_size is not None and dp < data_parallel_size:
+        print(f"--data-parallel-size {data_parallel_size}: {len(todo)} shard(s) to run, so {dp} model "
+              f"cop{'y' if dp == 1 else 'ies'} (a copy without a shard would load the model for nothing; "
+              f"--num-shards {data_parallel_size} or more gives each copy work)", file=sys.stderr, flush=True)
     with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2), replicas=dp) as bars:
         replicas = run_replicas(todo, shard_steps, bars, dp, tensor_parallel_size, pipeline_parallel_size,
                                 plan["device"])
     summary = summarize(layout)
-    for entry in summary["shards"]:
-        if entry["shard"] in replicas.ran:
-            entry["replica"] = replicas.ran[entry["shard"]]
+    split_by_replica(summary, replicas.ran, dp)
     summary["data_parallel"] = {"replicas": dp, "failed": replicas.failed}
     # where the seconds outside the job's clock (wall_s: the manifest's creation to the last commit) go
     summary["start_s"] = round(start_s, 3) if start_s is not None else None  # the process's start to the checks
@@ -178,6 +181,7 @@ def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[str, d
     """Run every shard of `todo` (its steps from `shard_steps`) on `data_parallel_size` replicas."""
     import os
 
+    from components.errors import one_line
     from components.progress import SharedProgress
     from components.steps import rank_pool, run_step
 
@@ -190,14 +194,16 @@ def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[str, d
         own = data_parallel_size > 1  # a replica in processes of its own (its pool), fed by this thread
         ids = list(range(index * world, (index + 1) * world)) if device == "cuda" and own else None
         threads = max(1, (os.cpu_count() or 1) // (data_parallel_size * world)) if own else None
-        shard, error = None, None
+        shard, error, steps_done = None, None, 0
         try:
             with rank_pool(tensor_parallel_size, device, pipeline_parallel_size=pipeline_parallel_size,
                            device_ids=ids, cpu_threads=threads, own_process=own) as pool:
                 state.pools[index] = pool
                 while (shard := state.take()) is not None:
+                    steps_done = 0
                     for target, kwargs in shard_steps(shard):
                         run_step(target, kwargs, progress, pool=pool)
+                        steps_done += 1
                     state.done(shard, index)
                 t_close = time.perf_counter()
             if pool is not None:  # its rank processes stopped when the `with` ended
@@ -209,11 +215,18 @@ def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[str, d
         finally:
             state.pools.pop(index, None)
         if error is not None:  # its ranks are stopped (the pool closed) before another replica redoes it
+            if state.stop.is_set():
+                return  # the job was interrupted: its ranks were stopped on purpose
             if shard is None:
                 with state.changed:
                     state.failed.append({"replica": index, "shard": None, "error": error})
                     state.changed.notify_all()
+                progress.redo(f"data-parallel {one_line(error)}; the other replicas go on", 0)
             else:
+                # said now, on the terminal: the job may still end well (exit 0), one replica short
+                progress.redo(f"data-parallel {one_line(error)}; shard {shard} goes back to the queue for the other "
+                              "replicas" + (f" (its {steps_done} finished step(s) run again)" if steps_done else ""),
+                              steps_done)
                 state.done(shard, index, error)
 
     if data_parallel_size == 1:  # in this thread: Ctrl-C and errors behave as they always did

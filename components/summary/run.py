@@ -11,6 +11,9 @@ AR and DiT steps (each step records its own, 0 when its process had the engine l
 sums of the per-row columns: ar = ar_prefill_s + ar_decode_s, kv = kv_put_s + kv_get_s,
 dit = dit_total_s + vae_decode_s; other = wall time minus those (sharding, image preparation, PNG
 and Parquet writes, commits), null when the parts exceed the wall time (shards run in parallel).
+Per shard, `time_s` holds its load, ar, kv and dit. A local job of several data-parallel replicas
+(split_by_replica) adds `time_split_by_replica_s`, each replica's split adding up to wall_s, and
+its `time_split_s` is in replica-seconds: the replicas' splits summed, adding up to replicas x wall_s.
 
 KV wait: per shard, `kv_wait_s` is the time the DiT loop waited for KV payloads (what the
 prefetch did not hide) and `kv_wait_fraction` that time over the shard's DiT time (target < 2 %).
@@ -91,7 +94,10 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
                         kernel_fallbacks=int(_sum(table, "kernel_fallbacks")))
             tables.append(table.append_column("shard", pa.array([k] * table.num_rows, pa.int64())))
             records = {step: layout.read_json(layout.step_timing_key(k, step)) or {} for step in ("ar", "dit")}
-            load_s += sum(r.get("load_s", 0.0) for r in records.values())
+            shard_load_s = sum(r.get("load_s", 0.0) for r in records.values())
+            load_s += shard_load_s
+            info["time_s"] = {"load": shard_load_s, **{g: sum(_sum(table, c) for c in cols)
+                                                       for g, cols in TIME_GROUPS.items()}}
             info.update(steps={step: {key: r[key] for key in ("wall_s", "scheduler", "memory", "compile")
                                       if key in r}
                                for step, r in records.items() if r})
@@ -110,11 +116,8 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
         wall_s = max(0.0, (max(map(datetime.fromisoformat, commits))
                            - datetime.fromisoformat(manifest["created"])).total_seconds())
 
-    time_split = {"load": load_s, **{g: sum(_sum(rows, c) for c in cols) if rows is not None else 0.0
-                                     for g, cols in TIME_GROUPS.items()}}
-    other = wall_s - sum(time_split.values()) if wall_s is not None else None
-    time_split["other"] = other if other is not None and other >= 0 else None
-    total_time = sum(v for v in time_split.values() if v is not None)
+    time_split = _with_other({"load": load_s, **{g: sum(_sum(rows, c) for c in cols) if rows is not None else 0.0
+                                                 for g, cols in TIME_GROUPS.items()}}, wall_s)
     errors = []
     if rows is not None:
         failed = rows.filter(pc.not_equal(rows.column("status"), "ok")).select(["shard", "id", "error"])
@@ -137,8 +140,7 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
         "wall_s": wall_s,
         "images_per_minute": (n_ok / wall_s * 60.0) if wall_s else None,
         "time_split_s": time_split,
-        "time_split_fraction": {g: (v / total_time if total_time and v is not None else None)
-                                for g, v in time_split.items()},
+        "time_split_fraction": _fractions(time_split),
         "kv_paths": dict(Counter(ok_rows.column("kv_path").to_pylist())) if ok_rows is not None else {},
         "kv_reasons": (dict(Counter(r for r in ok_rows.column("kv_reason").to_pylist() if r is not None))
                        if ok_rows is not None else {}),
@@ -156,6 +158,40 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
     # JSON keys must be strings: a null kv_path (not recorded) is listed as "unknown"
     summary["kv_paths"] = {("unknown" if k is None else str(k)): v for k, v in summary["kv_paths"].items()}
     return _rounded(summary)
+
+
+def _with_other(parts: dict[str, float], wall_s: float | None) -> dict[str, float | None]:
+    """`parts` and `other`: the wall time they leave (None when they exceed it or no wall time)."""
+    other = wall_s - sum(parts.values()) if wall_s is not None else None
+    return {**parts, "other": other if other is not None and other >= 0 else None}
+
+
+def _fractions(split: dict[str, float | None]) -> dict[str, float | None]:
+    total = sum(v for v in split.values() if v is not None)
+    return {g: (v / total if total and v is not None else None) for g, v in split.items()}
+
+
+def split_by_replica(summary: dict[str, Any], ran: dict[int, int], replicas: int) -> None:
+    """A local job's data-parallel replicas in its summary: `replica` per shard (`ran`: shard ->
+    replica) and, with several replicas, `time_split_by_replica_s`: each replica's time split over
+    the shards it ran, adding up to wall_s (its `other`: sharding, writes, commits, waiting). Their
+    steps overlap, so `time_split_s` becomes replica-seconds: the sum of the replicas', adding up to
+    replicas x wall_s."""
+    for entry in summary["shards"]:
+        if entry["shard"] in ran:
+            entry["replica"] = ran[entry["shard"]]
+    if replicas <= 1:
+        return
+    wall_s = summary.get("wall_s")
+    groups = ("load", *TIME_GROUPS)
+    by_replica = {}
+    for replica in range(replicas):
+        times = [e.get("time_s") or {} for e in summary["shards"] if e.get("replica") == replica]
+        by_replica[str(replica)] = _with_other({g: sum(t.get(g, 0.0) for t in times) for g in groups}, wall_s)
+    total = {g: summary["time_split_s"][g] for g in groups}
+    total = _with_other(total, wall_s * replicas if wall_s is not None else None)
+    summary.update(time_split_by_replica_s=_rounded(by_replica), time_split_s=_rounded(total),
+                   time_split_fraction=_rounded(_fractions(total)))
 
 
 def step_record(shard: dict[str, Any], step: str, part: str) -> dict[str, Any]:
