@@ -169,7 +169,7 @@ class RankPool:
                 p.join()
                 while not self.results.empty():  # it may have reported just before exiting
                     self._record(outcome, *self.results.get())
-                outcome.setdefault(rank, ("error", f"exited with code {p.exitcode} (killed or crashed)"))
+                outcome.setdefault(rank, ("error", f"exited with code {p.exitcode} {DIED}"))
 
     def _record(self, outcome: dict, rank: int, status: str, value: Any) -> None:
         if status != "progress":
@@ -275,6 +275,7 @@ def _context(rank: int, world: int, device, cfg_parallel: bool, pipeline_paralle
                            cfg_rank=rank // tp, cfg_group=twin_groups[rank % tp])
 
 
+DIED = "(killed or crashed)"  # how a rank that ended without reporting is described
 # A healthy rank whose peer died fails inside a collective; those errors are consequences.
 _COLLECTIVE_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL", "ProcessGroup",
                       "DistBackendError", "timed out")
@@ -289,11 +290,14 @@ def _settle(procs, outcome: dict, collect, seconds: float = 3.0) -> None:
 
 
 def _root_cause(outcome: dict) -> tuple[int, str]:
-    """The failed rank to report: one that crashed or raised on its own before one that only saw a
-    peer disappear from a collective."""
+    """The failed rank to report: one that died without a word (killed, crashed), then one that raised
+    on its own, before one that only saw a peer disappear from a collective. A killed pipeline stage's
+    neighbours may fail with any error on what they never received (an AttributeError was reported
+    for a stage that was killed)."""
     failed = sorted((r, v) for r, (s, v) in outcome.items() if s == "error")
+    died = [(r, v) for r, v in failed if v.endswith(DIED)]
     own = [(r, v) for r, v in failed if not any(marker in v for marker in _COLLECTIVE_ERRORS)]
-    return (own or failed)[0]
+    return (died or own or failed)[0]
 
 
 def _resolve(target: str):

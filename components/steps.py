@@ -100,7 +100,8 @@ def load_engine(model: str, weights: str | None, device: str, dtype: str | None,
             from components.engine import Engine
 
             if parallel.is_first:
-                announce_load(model, weights, dummy_weights, quantization, tensor_parallel_size)
+                announce_load(model, weights, dummy_weights, quantization, tensor_parallel_size, device,
+                              pipeline_parallel_size)
             _rank_engines.clear()  # one engine per rank process: a new model replaces the old one
             _rank_engines[key] = Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed,
                                              parallel=parallel,
@@ -118,26 +119,28 @@ def _cached_engine(model: str, weights: str | None, device: str, dtype: str | No
                    dummy_weights: bool, tensor_parallel_size: int, quantization: str | None):
     from components.engine import Engine
 
-    announce_load(model, weights, dummy_weights, quantization, tensor_parallel_size)
+    announce_load(model, weights, dummy_weights, quantization, tensor_parallel_size, device)
     return Engine.load(model, weights=weights, device=device, dtype=dtype, seed=seed,
                        **_engine_load_kwargs(dummy_weights, tensor_parallel_size, quantization))
 
 
 def announce_load(model: str, weights: str | None, dummy_weights: bool, quantization: str | None,
-                  tensor_parallel_size: int = 1) -> None:
+                  tensor_parallel_size: int = 1, device: str = "cuda", pipeline_parallel_size: int = 1) -> None:
     """One line before the engine loads (a real checkpoint takes minutes): which model, how big,
     from where."""
-    print(f"loading model {describe_load(model, weights, dummy_weights, quantization, tensor_parallel_size)} …",
-          file=sys.stderr, flush=True)
+    what = describe_load(model, weights, dummy_weights, quantization, tensor_parallel_size, device,
+                         pipeline_parallel_size)
+    print(f"loading model {what} …", file=sys.stderr, flush=True)
 
 
 def describe_load(model: str, weights: str | None, dummy_weights: bool, quantization: str | None = None,
-                  tensor_parallel_size: int = 1) -> str:
+                  tensor_parallel_size: int = 1, device: str = "cuda", pipeline_parallel_size: int = 1) -> str:
     """'NAME (SIZE, from WHERE)': the checkpoint's safetensors bytes and directory, or the preset
     and its seeded random weights."""
     ref = resolve_model(model)
+    ranks = tensor_parallel_size * pipeline_parallel_size  # a model copy's ranks: GPUs, or CPU processes
     extras = ([f"quantized to {quantization} at load"] if quantization else []) + \
-        ([f"{tensor_parallel_size} GPUs"] if tensor_parallel_size > 1 else [])
+        ([f"{ranks} {'GPUs' if device.startswith('cuda') else 'CPU processes'}"] if ranks > 1 else [])
     directory = Path(weights).expanduser() if weights else ref.path
     if directory is None or dummy_weights:
         config = f", config from {ref.path}" if ref.path is not None else ""
@@ -299,14 +302,14 @@ def check_engine_options(*, dtype=None, quantization=None, tensor_parallel_size=
 
 def check_bench_cot(model: str, weights: str | None, dummy_weights: bool) -> Any:
     """ARDIT_BENCH_COT_TOKENS (benchmarks): the parsed ForcedCot, or None when unset. Only with
-    dummy weights (the tiny preset without weights is random too): real weights must write their
+    dummy weights (a preset without --weights is random too): real weights must write their
     own CoT."""
     spec = os.environ.get("ARDIT_BENCH_COT_TOKENS")
     if not spec:
         return None
     from components.engine.ar import ForcedCot
 
-    if not (dummy_weights or (model == "tiny" and weights is None)):
+    if not (dummy_weights or (weights is None and resolve_model(model).kind == "preset")):  # presets: random
         raise ConfigError(f"ARDIT_BENCH_COT_TOKENS={spec!r}: forces CoT lengths for benchmarks on dummy weights "
                           "only; unset it, or pass --dummy-weights")
     try:
