@@ -147,6 +147,33 @@ def test_an_oom_halves_the_batch_and_every_row_completes(engine, forced, monkeyp
     assert stats["pool_rows"] == 2  # the cap halved
 
 
+def _oom_on_first_pool(engine, monkeypatch) -> list:
+    """The model's first K/V pool of more than one row runs out of memory (a GPU whose free memory
+    was overestimated); the rows of each pool it was asked for are listed."""
+    asked, plain = [], engine.model.new_cache
+
+    def new_cache(rows, capacity, *a, **k):
+        asked.append(rows)
+        if rows > 1 and len(asked) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory allocating the pool (injected)")
+        return plain(rows, capacity, *a, **k)
+
+    monkeypatch.setattr(engine.model, "new_cache", new_cache)
+    return asked
+
+
+@pytest.mark.slow
+def test_an_oom_allocating_the_pool_halves_it_and_fails_no_row(engine, monkeypatch):
+    """It failed the first waiting row as too large before (nothing was in flight to put back)."""
+    asked = _oom_on_first_pool(engine, monkeypatch)
+    admission = Admission(max_rows=4, max_num_batched_tokens=CHUNK)
+    results, stats = _stream(engine, _requests(3), GREEDY, admission)
+    assert asked[:2] == [3, 1] and stats["oom_retries"] == 1 and stats["failed"] == 0 and stats["pool_rows"] == 1
+    assert len(results) == 3 and not any(isinstance(r, BaseException) for r in results.values()), results
+    assert admission.halved_to == (1, None)
+    assert "OutOfMemoryError allocating a K/V pool of 3 row(s)" in stats["events"][0]
+
+
 def test_negative_control_an_oom_without_recovery_would_fail_rows(engine, monkeypatch):
     """The same injected OOM on the static batch path fails the call: the recovery is the scheduler's."""
     def boom(*a, **k):
@@ -270,6 +297,34 @@ def test_resume_retries_a_transient_row_but_not_a_bad_input_row(tmp_path, monkey
     rows = {r["id"]: r for r in layout.read_rows(0).to_pylist()}
     assert layout.is_committed(0) and rows[flaky]["status"] == "ok"
     assert rows[bad]["status"] == "error" and "bad prompt" in rows[bad]["error"]
+
+
+@pytest.mark.slow
+def test_the_run_keeps_the_halved_budget_for_its_next_steps(tmp_path, monkeypatch):
+    """Shard 0's AR step halves after an OOM and keeps the budget that worked in the run; shard 1's
+    step (a resume would too) starts from it instead of running into the same OOM."""
+    from components.ar.run import run as run_ar
+    from components.data.ar_outputs import read_ar_rows
+    from components.data.runs import RunLayout
+    from components.data.sample import write_sample_edit_dataset
+    from components.shard.run import run as run_shard
+    from components.steps import load_engine
+
+    dataset = write_sample_edit_dataset(str(tmp_path / "edit.parquet"), n=4, size=64)
+    output = str(tmp_path / "out")
+    run_shard(dataset, output, "b", 2, "edit")
+    layout = RunLayout.open(output, "b")
+    asked = _oom_on_first_pool(load_engine("tiny", None, "cpu", None), monkeypatch)
+    run_ar(output, "b", 0, max_new_tokens=4)
+    assert asked[:2] == [2, 1]
+    budget = layout.read_json(layout.settings_key("ar_budget"))
+    assert budget["max_rows"] == 1 and budget["shard"] == 0 and budget["device"] == "cpu", budget
+    run_ar(output, "b", 1, max_new_tokens=4)
+    assert asked[2:] == [1]  # no pool of 2 rows tried again
+    record = layout.read_json(layout.step_timing_key(1, "ar"))
+    assert record["budget_from_run"] == {"max_rows": 1, "kv_budget_bytes": None}
+    assert record["scheduler"]["oom_retries"] == 0 and record["scheduler"]["pool_rows"] == 1
+    assert all(r["status"] == "ok" for k in (0, 1) for r in read_ar_rows(layout, k).values())
 
 
 def test_step_options_are_checked_and_passed(monkeypatch, tmp_path):
