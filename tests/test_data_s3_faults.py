@@ -75,6 +75,46 @@ def test_put_retried_through_503s(s3_prefix, s3_env, mode) -> None:
     assert got["Body"].read() == b"payload"
 
 
+class OutageInjector(FaultInjector):
+    """Every request of `operation` fails with a 500 InternalError for `seconds` from the first one
+    (a gateway restarting): botocore's own backoff for a 5xx is well under a second."""
+
+    def __init__(self, operation: str, seconds: float):
+        super().__init__(operation, None, status=500, code="InternalError")
+        self.seconds, self.start = seconds, None
+
+    def __call__(self, request, event_name: str, **kw: object):
+        import time
+
+        if event_name.endswith(f".{self.operation}"):
+            self.start = self.start or time.monotonic()
+            if time.monotonic() - self.start >= self.seconds:
+                self.failures = self.injected  # the outage is over
+        return super().__call__(request, event_name, **kw)
+
+
+def test_a_three_second_outage_is_waited_out_and_said(s3_prefix, s3_env, capfd) -> None:
+    """It failed the job before: 5 attempts in about half a second. Now the rounds of attempts wait
+    2, 4, 8 s between them, and the success says how many attempts failed."""
+    inj = OutageInjector("PutObject", seconds=3)
+    store = _store(s3_prefix, inj)
+    store.put_bytes("blip/put.bin", b"payload")
+    assert inj.injected >= 6 and inj.calls == inj.injected + 1, (inj.injected, inj.calls)
+    err = capfd.readouterr().err
+    assert f"S3 put {store.url('blip/put.bin')}: succeeded after {inj.injected} failed attempt(s)" in err, err
+    got = s3_env.client().get_object(Bucket=s3_env.bucket, Key=f"{store.prefix}/blip/put.bin")
+    assert got["Body"].read() == b"payload"
+
+
+def test_an_outage_that_lasts_fails_saying_how_many_attempts_failed(s3_prefix) -> None:
+    inj = FaultInjector("GetObject", failures=None, status=500, code="InternalError")
+    _store(s3_prefix).put_bytes("dead/get.bin", b"x")
+    store = _store(s3_prefix, inj, max_attempts=10)  # two rounds of 5, about 2 s apart
+    with pytest.raises(ObjectStoreError, match=r"InternalError \(HTTP 500\).* after 10 attempt\(s\) over \d+ s"):
+        store.get_bytes("dead/get.bin")
+    assert inj.calls == 10
+
+
 def test_get_and_list_retried_through_5xx(s3_prefix) -> None:
     _store(s3_prefix).put_bytes("flaky/get.bin", b"abc" * 1000)
     get_faults = FaultInjector("GetObject", failures=2, status=500, code="InternalError")

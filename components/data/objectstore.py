@@ -12,7 +12,13 @@ S3 settings come from the environment unless passed in: endpoint from `ARDIT_S3_
 `AWS_ENDPOINT_URL` (unset: AWS itself), region from `AWS_REGION` / `AWS_DEFAULT_REGION`
 (default us-east-1), credentials through boto3's usual chain (`AWS_ACCESS_KEY_ID`,
 `AWS_SECRET_ACCESS_KEY`, profiles, instance roles). Retry attempts and mode can be set with
-`ARDIT_S3_MAX_ATTEMPTS` / `ARDIT_S3_RETRY_MODE` (defaults 5 / "standard").
+`ARDIT_S3_MAX_ATTEMPTS` / `ARDIT_S3_RETRY_MODE` (defaults 25 / "standard").
+
+A request that fails for a passing reason (5xx, throttling, a refused or dropped connection) is
+retried by botocore up to 5 times in a row (its backoff for a 5xx is well under a second), then
+again after 2, 4, 8, 16 s, until the round in which `max_attempts` attempts have failed: an outage
+of a few seconds (a restarting gateway) costs a wait, not the job. The final error says how many attempts failed and
+over how long.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import io
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -51,6 +58,10 @@ class TransientStorageError(ObjectStoreError):
     """A failure that may pass on its own (HTTP 5xx, throttling, timeouts, a dropped or refused
     connection), still failing after the retries: the step should fail retryably (exit 1)."""
 
+
+DEFAULT_MAX_ATTEMPTS = 25
+QUICK_ATTEMPTS = 5  # attempts botocore makes in a row (its own backoff: well under a second for a 5xx)
+ROUND_BACKOFF_S = (2.0, 4.0, 8.0, 16.0)  # waits between botocore's rounds (the last one repeats)
 
 # HTTP statuses and error codes of failures that may pass on their own
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
@@ -370,7 +381,7 @@ class S3ObjectStore(ObjectStore):
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url or env.get("ARDIT_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None
         self.region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
-        self.max_attempts = int(max_attempts or env.get("ARDIT_S3_MAX_ATTEMPTS") or 5)
+        self.max_attempts = int(max_attempts or env.get("ARDIT_S3_MAX_ATTEMPTS") or DEFAULT_MAX_ATTEMPTS)
         self.retry_mode = retry_mode or env.get("ARDIT_S3_RETRY_MODE") or "standard"
         self.multipart_threshold = multipart_threshold
         self.multipart_chunksize = multipart_chunksize
@@ -395,7 +406,8 @@ class S3ObjectStore(ObjectStore):
             config = Config(
                 region_name=self.region,
                 # total_max_attempts counts the first try too (botocore's max_attempts does not).
-                retries={"total_max_attempts": self.max_attempts, "mode": self.retry_mode},
+                # the longer waits between its rounds are `_call`'s
+                retries={"total_max_attempts": self._round_attempts, "mode": self.retry_mode},
                 # Custom endpoints (SeaweedFS, MinIO, ...) rarely have per-bucket DNS names.
                 s3={"addressing_style": "path" if self.endpoint_url else "auto"},
                 connect_timeout=10,
@@ -403,6 +415,10 @@ class S3ObjectStore(ObjectStore):
             )
             self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
         return self._client
+
+    @property
+    def _round_attempts(self) -> int:
+        return max(1, min(self.max_attempts, QUICK_ATTEMPTS))
 
     def _transfer_config(self) -> Any:
         from boto3.s3.transfer import TransferConfig
@@ -416,17 +432,21 @@ class S3ObjectStore(ObjectStore):
     def _key(self, key: str) -> str:
         return join_key(self.prefix, check_key(key))
 
-    def _error(self, op: str, key: str, exc: Exception) -> ObjectStoreError:
-        """Turn a botocore error into one that says what was being done, where, and why."""
+    def _error(self, op: str, key: str, exc: Exception, attempts: int | None = None,
+               seconds: float | None = None) -> ObjectStoreError:
+        """Turn a botocore error into one that says what was being done, where, and why (and, for a
+        passing failure, after how many failed attempts over how long)."""
         from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
         where = self.url(key) if key else self.url()
         endpoint = self.endpoint_url or "AWS"
+        over = f" over {seconds:.0f} s" if seconds is not None and seconds >= 1 else ""
         if isinstance(exc, ClientError):
             err = exc.response.get("Error", {})
             code = str(err.get("Code", ""))
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            retries = exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+            retries = (attempts or 1) - 1 if attempts is not None else \
+                exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
             if code == "NoSuchBucket" or (op == "head bucket" and code in ("404", "NotFound")):
                 return BucketNotFoundError(f"S3 bucket {self.bucket!r} does not exist [endpoint {endpoint}]: "
                                            f"create it (aws s3 mb s3://{self.bucket}) or fix the URI {where}")
@@ -434,7 +454,7 @@ class S3ObjectStore(ObjectStore):
                 return ObjectNotFoundError(f"no object {where}")
             msg = (
                 f"S3 {op} {where} failed: {code or status} (HTTP {status}) {err.get('Message', '')}".rstrip()
-                + f" after {retries + 1} attempt(s) [endpoint {endpoint}]"
+                + f" after {retries + 1} attempt(s){over} [endpoint {endpoint}]"
             )
             if status == 403 or code in _AUTH_CODES:
                 return S3AccessError(f"{msg}: the credentials were refused or lack permission; {_CREDENTIALS_HINT}")
@@ -444,22 +464,47 @@ class S3ObjectStore(ObjectStore):
         if isinstance(exc, NoCredentialsError):
             return S3AccessError(f"S3 {op} {where}: no credentials found; {_CREDENTIALS_HINT}")
         if isinstance(exc, EndpointConnectionError):
-            return TransientStorageError(f"S3 {op} {where}: cannot reach the endpoint {endpoint} ({exc}); "
+            tries = f" after {attempts} attempt(s){over}" if attempts is not None else ""
+            return TransientStorageError(f"S3 {op} {where}: cannot reach the endpoint {endpoint} ({exc}){tries}; "
                                          "check ARDIT_S3_ENDPOINT / AWS_ENDPOINT_URL")
         error = TransientStorageError if is_transient(exc) else ObjectStoreError
-        return error(f"S3 {op} {where} failed: {type(exc).__name__}: {exc} [endpoint {endpoint}]")
+        tries = f" after {attempts} attempt(s){over}" if attempts is not None and error is TransientStorageError \
+            else ""
+        return error(f"S3 {op} {where} failed: {type(exc).__name__}: {exc}{tries} [endpoint {endpoint}]")
 
     def _call(self, op: str, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) with botocore's errors made clear; a passing failure is retried in
+        rounds of botocore's quick attempts, `ROUND_BACKOFF_S` apart, until `max_attempts` failed."""
         from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
-        try:
-            return fn(*args, **kwargs)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._error(op, key, exc) from exc
-        except Boto3Error as exc:  # managed transfers wrap the botocore error (S3UploadFailedError, ...)
-            cause = getattr(exc, "last_exception", None) or exc.__context__
-            raise self._error(op, key, cause if isinstance(cause, (ClientError, BotoCoreError)) else exc) from exc
+        failed, rounds, t0 = 0, 0, time.monotonic()
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+                if failed:
+                    print(f"S3 {op} {self.url(key) if key else self.url()}: succeeded after {failed} failed "
+                          f"attempt(s) over {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                return result
+            except (ClientError, BotoCoreError, Boto3Error) as exc:
+                cause: Any = exc
+                if isinstance(exc, Boto3Error):  # managed transfers wrap the botocore error (S3UploadFailedError)
+                    inner = getattr(exc, "last_exception", None) or exc.__context__
+                    cause = inner if isinstance(inner, (ClientError, BotoCoreError)) else exc
+                failed += self._attempts_of(cause)
+                error = self._error(op, key, cause, failed, time.monotonic() - t0)
+                if not isinstance(error, TransientStorageError) or failed >= self.max_attempts:
+                    raise error from exc
+            time.sleep(ROUND_BACKOFF_S[min(rounds, len(ROUND_BACKOFF_S) - 1)] * random.uniform(0.75, 1.25))
+            rounds += 1
+
+    def _attempts_of(self, exc: Any) -> int:
+        """How many attempts botocore made of a request that failed with `exc`."""
+        from botocore.exceptions import ClientError
+
+        if isinstance(exc, ClientError):
+            return int(exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)) + 1
+        return self._round_attempts  # a connection error: botocore retried it the whole round
 
     def put_bytes(self, key: str, data: bytes) -> None:
         if len(data) < self.multipart_threshold:  # one PutObject: atomic, retried by botocore
@@ -532,15 +577,15 @@ class S3ObjectStore(ObjectStore):
         if prefix.endswith("/") and not full.endswith("/"):
             full += "/"
         strip = len(self.prefix) + 1 if self.prefix else 0
-        keys: list[str] = []
         paginator = self.client.get_paginator("list_objects_v2")
-        from botocore.exceptions import BotoCoreError, ClientError
 
-        try:
+        def list_all() -> list[str]:
+            keys: list[str] = []
             for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
                 keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
-        except (ClientError, BotoCoreError) as exc:
-            raise self._error("list", prefix.rstrip("/"), exc) from exc
+            return keys
+
+        keys = self._call("list", prefix.rstrip("/"), list_all)
         return sorted(k for k in keys if k and not k.endswith("/"))
 
     def delete(self, key: str) -> None:
