@@ -239,8 +239,8 @@ def test_rendered_dev_overlay_and_compiled_kfp_run_only_built_images_that_cover_
     weights = subprocess.run([KUBECTL, "kustomize", str(manifests / "weights")], capture_output=True, text=True,
                              check=True)
     for d in yaml.safe_load_all(weights.stdout):
-        if d and d["kind"] == "Job":  # the download runs in the tools image, which has huggingface_hub
-            (c,) = d["spec"]["template"]["spec"]["containers"]
+        if d and d["kind"] == "CronJob":  # the download runs in the tools image, which has huggingface_hub
+            (c,) = d["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
             assert c["image"] == refs["tools_image"] and "huggingface_hub" in c["args"][0]
             assert "huggingface-hub" in (REPO / IMAGES["tools"].requirements).read_text()
 

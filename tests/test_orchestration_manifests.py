@@ -10,6 +10,7 @@ templates and cron create.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -136,7 +137,7 @@ def test_restricted_checker_catches_violations():
 def test_every_pod_meets_the_restricted_pod_security_standard(dev):
     pods = pod_specs(dev)
     kinds = {name.split("/")[0] for name in pods}
-    assert kinds == {"Deployment", "StatefulSet", "CronJob", "Job", "WorkflowTemplate"}
+    assert kinds == {"Deployment", "StatefulSet", "CronJob", "WorkflowTemplate"}
     assert len(pods) > 20
     problems = {name: v for name, pod in pods.items() if (v := restricted_violations(pod))}
     assert problems == {}
@@ -299,10 +300,10 @@ def test_kfp_namespace_gets_the_sweeps_volume_and_a_writable_root(kfp_ns):
     checks it can write there; the PVC is the one the compiled KFP sweep mounts."""
     from pipeline.cluster import RUN_AS_USER, SWEEP_OUTPUT, ClusterSettings
 
-    assert {d["kind"] for d in kfp_ns} == {"PersistentVolumeClaim", "Job"}
+    assert {d["kind"] for d in kfp_ns} == {"PersistentVolumeClaim", "CronJob"}  # the init Job's template
     assert {d["metadata"]["namespace"] for d in kfp_ns} == {"kubeflow"}
     assert set(_by(kfp_ns, "PersistentVolumeClaim")) == {ClusterSettings().sweep_pvc}
-    pod = _by(kfp_ns, "Job")["ardit-sweeps-init"]["spec"]["template"]["spec"]
+    pod = _by(kfp_ns, "CronJob")["ardit-sweeps-init"]["spec"]["jobTemplate"]["spec"]["template"]["spec"]
     assert pod["securityContext"]["fsGroup"] == RUN_AS_USER == pod["securityContext"]["runAsUser"]
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == ClusterSettings().sweep_pvc
     (c,) = pod["containers"]
@@ -314,11 +315,13 @@ def test_kfp_namespace_gets_the_sweeps_volume_and_a_writable_root(kfp_ns):
 def test_weights_job_takes_an_optional_token_and_has_resources(weights):
     import kubernetes_validate
 
-    assert {d["kind"] for d in weights} == {"PersistentVolumeClaim", "Job"}
+    assert {d["kind"] for d in weights} == {"PersistentVolumeClaim", "CronJob"}  # the download Job's template
     assert all("namespace" not in d["metadata"] for d in weights)  # applied with -n into each namespace
     pvc = _by(weights, "PersistentVolumeClaim")["hunyuan-image-3"]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    pod = _by(weights, "Job")["fetch-hunyuan-image-3"]["spec"]["template"]["spec"]
+    job = _by(weights, "CronJob")["fetch-hunyuan-image-3"]["spec"]["jobTemplate"]["spec"]
+    assert job["activeDeadlineSeconds"] and job["backoffLimit"]
+    pod = job["template"]["spec"]
     (c,) = pod["containers"]
     env = {e["name"]: e for e in c["env"]}
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN", "optional": True}
@@ -329,3 +332,34 @@ def test_weights_job_takes_an_optional_token_and_has_resources(weights):
         kubernetes_validate.validate(d, "1.30.0", strict=True)
     docs = (REPO / "docs" / "deploy.md").read_text()
     assert "weights_pvc=hunyuan-image-3" in docs and "apply -k manifests/weights" in docs
+
+
+def _patched_service_accounts(docs: str) -> set[tuple[str, str]]:
+    """``(namespace, account)`` pairs docs/deploy.md gives the registry pull secret."""
+    pairs = set(re.findall(r"kubectl -n (\S+) patch serviceaccount (\w[\w-]*) -p '\{\"imagePullSecrets\"", docs))
+    for accounts, ns in re.findall(r"for sa in ([\w -]+); do\s+kubectl -n (\S+) patch serviceaccount \$sa "
+                                   r"-p '\{\"imagePullSecrets\"", docs):
+        pairs |= {(ns, sa) for sa in accounts.split()}
+    return pairs
+
+
+def test_private_registry_reaches_every_pod_the_manifests_create(dev, kfp_ns, weights):
+    """With a private registry, every pod of the documented kustomizations runs as an account the
+    docs give the pull secret in that namespace: the KFP namespace's Jobs run as its `default`
+    account, which used to be left out (the init Job's `kubectl wait` then timed out)."""
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    patched = _patched_service_accounts(docs)
+    placed = [("ardit", dev), ("$KFP_NS", kfp_ns), ("ardit", weights), ("$KFP_NS", weights)]
+    for ns, objects in placed:
+        for name, pod in pod_specs(objects).items():
+            kind = name.split("/")[0]
+            if kind in ("WorkflowTemplate", "CronWorkflow"):
+                obj = _by(objects, kind)[name.split("/")[1]]
+                account = obj["spec"].get("workflowSpec", obj["spec"])["serviceAccountName"]
+            else:
+                account = pod.get("serviceAccountName", "default")
+            assert (ns, account) in patched, f"{name} in {ns} runs as {account}, which no documented step patches"
+    # the KFP patch comes before the first pod there (section 4's init Job)
+    assert docs.index("kubectl -n $KFP_NS patch serviceaccount default") < docs.index(
+        "kubectl -n $KFP_NS create job --from=cronjob/ardit-sweeps-init")
+    assert ("$KFP_NS", "default") in patched and ("ardit", "ardit-workflow") in patched
