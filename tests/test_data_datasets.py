@@ -90,6 +90,20 @@ def test_duplicate_and_empty_ids() -> None:
     ]
 
 
+def test_a_row_without_an_id_is_not_named_like_a_real_row(tmp_path) -> None:
+    """Its error row was named row-000001, beside a real row-000001 (one record for two rows)."""
+    path = write(tmp_path / "ids.parquet", [{"id": "row-000001", "prompt": "p"}, {"id": "", "prompt": "q"},
+                                            {"id": "(empty id: row 1)", "prompt": "r"}])
+    valid, errors = validate_dataset(read_dataset(str(path)), "generate")
+    assert [j.id for j in valid] == ["row-000001"]
+    assert [(j.id, j.row_index, j.error) for j in errors] == [
+        ("(empty id: row 1)", 1, "id is missing or empty"),
+        ("(empty id: row 1)", 2, "duplicate id '(empty id: row 1)' (first used by row 1)")]
+    from components.data.runs import row_key
+
+    assert row_key(valid[0].id) != row_key(errors[0].id)
+
+
 def test_missing_id_column_derives_ids_from_position(tmp_path) -> None:
     a = write(tmp_path / "d" / "a.parquet", [{"prompt": "one"}, {"prompt": "two"}])
     write(tmp_path / "d" / "b.parquet", [{"prompt": "three"}])

@@ -381,12 +381,23 @@ class RowValidator:
         job_id = "" if raw is None else str(raw)
         if not job_id.strip():
             problems.append("id is missing or empty")
-            return f"row-{index:06d}"  # a name for the error row; the problem says why
+            return self._name_for_error_row(index)
         if job_id in self.seen:
             problems.append(f"duplicate id {job_id!r} (first used by row {self.seen[job_id]})")
         else:
             self.seen[job_id] = index
         return job_id
+
+    def _name_for_error_row(self, index: int) -> str:
+        """A name for a row without an id (the problem says why) that no other row of the dataset
+        has: not `row-{index}` (a real row may be named so, and the two records would be one), and
+        kept, so a later row with the same id is a duplicate."""
+        name, n = f"(empty id: row {index})", 1
+        while name in self.seen:
+            n += 1
+            name = f"(empty id: row {index}) #{n}"
+        self.seen[name] = index
+        return name
 
     def _text(self, row: dict[str, Any], problems: list[str]) -> str | None:
         text = row.get(self.text_col)
