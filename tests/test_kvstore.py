@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -148,6 +149,25 @@ def test_missing_key_is_absent_with_reason(store, run):
     )
     assert store.get_bytes(f"{run}/0/0") is None
     assert not store.delete(f"{run}/0/0")
+
+
+@pytest.mark.servers
+def test_a_missing_part_is_absent_with_a_reason_that_reads(mooncake_url, run):
+    """One part of a multi-part payload gone (evicted): the reason names it. It read "no part 0/1 of
+    for 'key'" before."""
+    store = open_store(mooncake_url + "&part=1MB&buffer=1MB&timeout=20")
+    try:
+        key = f"{run}/0/0"
+        store.put(key, make_kv(torch.bfloat16, layers=3, tokens=2000, heads=4, head_dim=64))  # ~6 MB: parts
+        parts = sorted((k for k in store.raw_keys() if k.startswith(f"{key}#")), key=lambda k: int(k.rsplit(".", 1)[1]))
+        assert len(parts) >= 2, parts
+        store._remove_regex("^" + re.escape(parts[1]) + "$")
+        r = store.get(key, "tiny", "cfg1")
+        assert r.kv is None and r.code == "missing", r.reason
+        assert f"no part 2/{len(parts)} for {key!r} in the store" in r.reason, r.reason
+    finally:
+        store.delete_prefix(run)
+        store.close()
 
 
 def test_corrupted_payload_is_absent_with_reason(store, run):

@@ -527,14 +527,14 @@ class MooncakeStore(KVStore):
         ):  # (health_check() still said ok right after the master was killed)
             return GetResult(
                 None,
-                f"{base.UNREACHABLE}: {_DOWN[rc]} (master {self.cfg.master}), get {what} {key!r}: {_explain(rc)}",
+                f"{base.UNREACHABLE}: {_DOWN[rc]} (master {self.cfg.master}), get {what} for {key!r}: {_explain(rc)}",
             )
         if rc == -707:
             return GetResult(
-                None, f"{base.TIMEOUT}: get {what} {key!r}: {_explain(rc)}"
+                None, f"{base.TIMEOUT}: get {what} for {key!r}: {_explain(rc)}"
             )
         return GetResult(
-            None, f"{base.MISSING}: get {what} {key!r} failed: {_explain(rc)}"
+            None, f"{base.MISSING}: get {what} for {key!r} failed: {_explain(rc)}"
         )
 
     def _header(
@@ -615,7 +615,7 @@ class MooncakeStore(KVStore):
                         done.update(zip(r, rcs))
                         for j in r:
                             if done[j] < 0:
-                                what = f"part {j}/{len(parts)} of"
+                                what = f"part {j + 1}/{len(parts)}"  # "no part 2/3 for 'k'"
                                 raise _Absent(self._absent(ms, key, done[j], what))
                             if done[j] != sizes[j]:
                                 raise _Absent(
