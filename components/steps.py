@@ -382,6 +382,37 @@ def default_kv_store(output: str, run_id: str) -> str:
     return "local://" + os.path.abspath(os.path.join(root, run_id, "_kv"))
 
 
+def expire_other_runs_kv(output: str, run_id: str, ttl_s: float) -> int:
+    """Expire the K/V older than `ttl_s` in the embedded stores of the other runs beside this one
+    (`<output>/<run>/_kv`, or the temp dir's `ardit-kv/<run>` for s3:// outputs): a killed run that
+    is never resumed left its payloads there, and no later run opens that directory. Empty store
+    directories go too. Payloads counted; best effort (a directory that cannot be read is skipped)."""
+    from components.kvstore.local import LocalStore
+
+    root = Path(default_kv_store(output, run_id).removeprefix("local://"))
+    if root.name == "_kv":  # <output>/<run>/_kv
+        others = [d / "_kv" for d in _subdirs(root.parent.parent)]
+    else:  # <tmp>/ardit-kv/<run>
+        others = _subdirs(root.parent)
+    expired = 0
+    for store_dir in others:
+        if store_dir == root or not store_dir.is_dir():
+            continue
+        try:
+            expired += LocalStore(store_dir, ttl_s, min_free_bytes=0).expire(ttl_s)
+            store_dir.rmdir()  # only ever removes an empty directory
+        except OSError:
+            pass  # not empty (payloads younger than the TTL), or not ours to touch
+    return expired
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        return [d for d in path.iterdir() if d.is_dir()]
+    except OSError:
+        return []
+
+
 def kv_key(run_id: str, shard: int, row_id: str) -> str:
     """The row's KV key: any row id works (row_key encodes ids that are not plain)."""
     from components.data.runs import row_key

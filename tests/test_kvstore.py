@@ -378,3 +378,58 @@ def test_a_rows_layer_parts_are_deleted_in_one_query_and_their_deletes(store, ru
     assert store.keys(f"{run}/0/row") == [f"{run}/0/row.l{j}" for j in range(4)]
     assert delete_heads(store, f"{run}/0/row", 2, total_layers=4) == 4
     assert ours(store, run) and all(k.startswith(f"{run}/0/other") for k in ours(store, run))  # spared
+
+
+# ------------------------------------------------ the embedded stores of killed runs (never resumed)
+def _age(directory: Path, seconds: float) -> None:
+    """Every file under `directory` as if written `seconds` ago."""
+    import time
+
+    then = time.time() - seconds
+    for p in directory.rglob("*"):
+        if p.is_file():
+            os.utime(p, (then, then))
+
+
+@pytest.mark.slow
+def test_a_killed_runs_embedded_kv_expires_at_the_next_job_under_the_same_output(tmp_path):
+    """Run `dead` put its rows' K/V into <out>/dead/_kv and was killed before its DiT step; nothing
+    ever opened that directory again. The next run's AR step under the same output root expires it
+    once older than the TTL (a younger run's K/V stays)."""
+    from components.ar.run import run as run_ar
+    from components.data.sample import write_sample_generate_dataset
+    from components.shard.run import run as run_shard
+
+    dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=2, seed=3)
+    out = str(tmp_path / "out")
+    for run_id in ("dead", "young", "next"):
+        run_shard(dataset, out, run_id, 1, "generate")
+    for run_id in ("dead", "young"):
+        run_ar(out, run_id, 0, max_new_tokens=4)
+    dead, young = Path(out, "dead", "_kv"), Path(out, "young", "_kv")
+    assert len(list(dead.rglob("*.kv"))) == 2 and len(list(young.rglob("*.kv"))) == 2
+    _age(dead, 25 * 3600)  # the embedded store's TTL is 24 h
+    _age(young, 23 * 3600)
+    run_ar(out, "next", 0, max_new_tokens=4)
+    assert not dead.exists()  # its payloads expired, and the emptied store directory went too
+    assert len(list(young.rglob("*.kv"))) == 2
+    assert len(list(Path(out, "next", "_kv").rglob("*.kv"))) == 2  # its own, for its DiT step
+
+
+def test_store_gc_on_an_output_root_expires_every_runs_embedded_kv(tmp_path):
+    """`ardit store gc OUTPUT` reaches the embedded stores of every run under it (<out>/<run>/_kv),
+    and leaves the runs' other files alone."""
+    from typer.testing import CliRunner
+
+    from components.kvstore.cli import app
+    from components.kvstore.local import LocalStore
+
+    out = tmp_path / "out"
+    for run_id in ("a", "b"):
+        LocalStore(out / run_id / "_kv").put(f"{run_id}/0/r0", make_kv(torch.bfloat16))
+        (out / run_id / "summary.json").write_text("{}")
+    _age(out / "a", 25 * 3600)
+    result = CliRunner().invoke(app, ["gc", f"local://{out}"])
+    assert result.exit_code == 0 and "expired 1 payload(s)" in result.output, result.output
+    assert not list((out / "a").rglob("*.kv")) and (out / "a" / "summary.json").exists()
+    assert len(list((out / "b").rglob("*.kv"))) == 1

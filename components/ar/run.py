@@ -39,6 +39,7 @@ from components.steps import (
     check_bench_cot,
     check_engine_options,
     default_kv_store,
+    expire_other_runs_kv,
     kv_key,
     load_engine,
     open_kv_store,
@@ -116,7 +117,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     task = progress.add_task(f"AR  shard {shard}", len(pending))
     rows: list[dict[str, Any]] = []
     puts = _BackgroundPuts(store, engine)
-    puts.expire_orphans()
+    puts.expire_orphans(other_runs=(output, run_id) if kv_store is None and owner else None)
     previous_kernels = kernels.configure(batch_invariant="on" if batch_invariant else "off")
     fallbacks_before = kernels.fallbacks()
     row_fallbacks = kernels.FallbacksSince()  # the next ok row carries the fallbacks since the last one
@@ -217,13 +218,19 @@ class _BackgroundPuts:
         self.stored: list[str] = []  # keys put so far, head parts included (deleted if the step fails)
         self.waited_s = 0.0  # time the decode loop spent waiting for puts
 
-    def expire_orphans(self) -> None:
+    def expire_orphans(self, other_runs: tuple[str, str] | None = None) -> None:
         """Delete payloads older than the store's TTL (left by failed or killed runs), in the
-        background and best effort: a store that cannot list its keys just keeps them longer."""
+        background and best effort: a store that cannot list its keys just keeps them longer.
+        `other_runs` (output, run id): with the default embedded store, the other runs' embedded
+        stores under the same output root too (steps.expire_other_runs_kv)."""
         if self.store is not None and getattr(self.store, "ttl_s", None):
+            ttl_s = self.store.ttl_s
+
             def expire() -> None:
                 try:
-                    self.store.expire(self.store.ttl_s)
+                    self.store.expire(ttl_s)
+                    if other_runs is not None:
+                        expire_other_runs_kv(*other_runs, ttl_s)
                 except Exception:  # noqa: BLE001 - housekeeping, never the step's failure
                     pass
             self.pool.submit(expire)

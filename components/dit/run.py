@@ -33,6 +33,7 @@ from components.steps import (
     DIT_SETTINGS,
     check_engine_options,
     default_kv_store,
+    expire_other_runs_kv,
     kv_key,
     load_engine,
     open_kv_store,
@@ -88,7 +89,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
 
     compiles = compile_cache.attach(output, engine, log=owner)  # a fresh container starts warm
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
-    kv_io = _KVReader(store, engine, kv_reuse, deletes=owner)
+    kv_io = _KVReader(store, engine, kv_reuse, deletes=owner,
+                      other_runs=(output, run_id) if kv_store is None else None)
     out_io = _RowWriter(writer, layout, shard, save_latents, kv_io, enabled=owner)
     task = progress.add_task(f"DiT shard {shard}", len(pending))
     fetches: dict[int, Future] = {}
@@ -263,7 +265,8 @@ class _KVReader:
     with the store's TTL (`ardit store gc`). Both threads are daemons: a call hung in a frozen
     store never holds up the step's exit."""
 
-    def __init__(self, store: Any, engine: Any, kv_reuse: bool, deletes: bool = True):
+    def __init__(self, store: Any, engine: Any, kv_reuse: bool, deletes: bool = True,
+                 other_runs: tuple[str, str] | None = None):
         from components.kvparts import rank_heads, rank_layers
         from components.kvstore.base import DaemonPool
 
@@ -279,6 +282,8 @@ class _KVReader:
         if deletes and getattr(store, "ttl_s", None):
             def expire() -> None:  # orphans of killed runs: housekeeping, best effort
                 store.expire(store.ttl_s)
+                if other_runs is not None:  # the default embedded store: the other runs' beside it
+                    expire_other_runs_kv(*other_runs, store.ttl_s)
             self.deleter.submit(self._bounded, expire)
 
     def _mark_down(self, why: str) -> None:

@@ -123,7 +123,8 @@ def gc(
         "store's TTL: local 24h or ?ttl=, mooncake its pin_ttl)"),
 ) -> None:
     """Remove orphaned KV (killed runs never resumed): everything older than the TTL. Safe to run
-    any time, e.g. from cron; AR and DiT steps also do it when they start."""
+    any time, e.g. from cron; AR and DiT steps also do it when they start. On an output root
+    (local:///out), the embedded stores of every run under it (<out>/<run>/_kv)."""
     from components.kvstore.base import StoreError, parse_duration
 
     with _open(url) as s:

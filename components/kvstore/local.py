@@ -40,7 +40,8 @@ _TMP = ".tmp-"
 
 
 # Payloads older than this are orphans (a killed run, never resumed): `expire` at every AR/DiT step
-# start and `ardit store gc` remove them. `local:///dir?ttl=12h` sets another.
+# start (with the default embedded store, the other runs' beside it too: <output>/<run>/_kv) and
+# `ardit store gc` (on an output root: every run's) remove them. `local:///dir?ttl=12h` sets another.
 DEFAULT_TTL_S = 24 * 3600.0
 
 # A put that would leave less than this free on the store's disk is refused: the row's DiT step
