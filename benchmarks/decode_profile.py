@@ -3,7 +3,7 @@ lengths the continuous-batching scheduler runs (full-width layers, dummy weights
 
     python3 benchmarks/decode_profile.py --out $OUT/decode_profile.json
 
-A `--layers`-layer FP8 stack (`quant.build_model_fp8`, the engine's dummy weights), a K/V pool of
+A `--layers`-layer FP8 stack (`engine.build_model_fp8`, the engine's dummy weights), a K/V pool of
 `--rows` slots with `--span` capacity holding rows of mixed lengths (the pool of
 benchmarks/decode_attention.py: half ~1.2k T2I prompts, half ~5.2k edit prompts, plus CoT; one slot
 in six free), one static decode step (`StaticDecoder`, as the scheduler runs it): its CUDA-graph
@@ -27,9 +27,9 @@ import torch  # noqa: E402
 from benchmarks.decode_kernels import copy_bandwidth, floor_bytes  # noqa: E402
 from benchmarks.engine_layers import cuda_time  # noqa: E402
 from components.engine.config import get_config  # noqa: E402
+from components.engine.engine import build_model_fp8  # noqa: E402
 from components.engine.kernels import settings  # noqa: E402
 from components.engine.kernels.decode import StaticDecoder  # noqa: E402
-from components.engine.quant import build_model_fp8  # noqa: E402
 
 
 def pool_lengths(rows: int, span: int, seed: int = 0) -> list[int]:

@@ -33,7 +33,6 @@ from components.engine.kernels.compiled import call_compiled, compile_failures
 from components.engine.quant import (
     Fp8Experts,
     Fp8Linear,
-    build_model_fp8,
     fp8_linear_fused,
     fp8_linear_reference,
     fp8_moe_fused,
@@ -44,7 +43,7 @@ from components.engine.quant import (
     weight_bytes,
 )
 from components.engine.transformer import DecoderLayer, HeadMask, KVCache, _swiglu, moe_grouped, rope_cos_sin
-from components.engine.engine import build_model, materialize
+from components.engine.engine import build_model, build_model_fp8, materialize
 
 DIT_TOKENS = 2 * (1 + 3953)  # CFG rows x (<timestep> + 76 x 52 image tokens): the cached step
 PREFIX, AR_KV = 6796, 6800

@@ -19,11 +19,11 @@ from torch import nn
 
 import components.engine.quant as quant
 from components.engine.config import get_config
+from components.engine.engine import build_model_fp8
 from components.engine.quant import (
     FP8,
     Fp8Experts,
     Fp8Linear,
-    build_model_fp8,
     dequantize,
     fp8_linear_reference,
     fp8_moe_reference,

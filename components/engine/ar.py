@@ -47,6 +47,7 @@ import torch
 from PIL import Image
 
 from . import kernels
+from .ar_scheduler import Admission, ARScheduler
 from .generation_config import GenerationConfig, tiny_generation_config
 from .inputs import EncodedImage, embed_span, encode_cond_images, request_generator
 from .kernels.decode import DeviceSampler, StaticDecoder, batch_bucket, decode_mode
@@ -247,6 +248,12 @@ class ARGenerator:
         self._banned: list[int] | None = None
         self.device_sampling: bool | None = None  # the plain decode's choice of tokens; None: on GPUs only
 
+    @property
+    def prefill_decoded_kv(self) -> bool:
+        """Whether decoded tokens' K/V are written again by a prefill chunk before export (the
+        module's PREFILL_DECODED_KV, read at use: tests and benchmarks switch it)."""
+        return PREFILL_DECODED_KV
+
     def banned_ids(self) -> list[int]:
         """Ids never sampled: the special tokens while a forced CoT length runs (ForcedCot)."""
         if self.forced_cot is None:
@@ -264,8 +271,6 @@ class ARGenerator:
         that failed it, goes to `on_result(request, result)` as soon as the row finishes, while the
         other rows decode on. `admission`: an ar_scheduler.Admission (default: this device's). The
         scheduler's statistics."""
-        from .ar_scheduler import Admission, ARScheduler
-
         sampling = (sampling or SamplingParams()).resolved(self.generation_config)
         scheduler = ARScheduler(self, sampling, admission or Admission.for_model(self.model), export_kv)
         with self.model.autocast():

@@ -19,6 +19,7 @@ import torch
 from .ar import ARGenerator, AROutput, ARRequest, SamplingParams
 from .config import HunyuanImage3Config, get_config
 from .dit import DiTGenerator, DiTOutput, DiTRequest
+from .quant import is_fp8_checkpoint, load_pretrained_fp8, quantize_model_fp8_
 from .resolve import ResolvedModel, resolve_model
 from .sequence import SequenceBuilder
 from .tokenizer import Tokenizer, load_tokenizer
@@ -76,11 +77,7 @@ class Engine:
 
         net = build_model(config, device, parallel=parallel, allocate=False)
         weights_dir = None if dummy_weights else Path(weights) if weights else resolved.path
-        from .quant import is_fp8_checkpoint
-
         if weights_dir is not None and is_fp8_checkpoint(weights_dir):  # stored as E4M3 + scales
-            from .quant import load_pretrained_fp8, quantize_model_fp8_
-
             quantization = "fp8"
             quantize_model_fp8_(net)
             net.to_empty(device=device)
@@ -156,8 +153,6 @@ def materialize(net: HunyuanImage3ForCausalMM, device: str | torch.device, weigh
     if not quantize:
         net.to_empty(device=device)
         return fill()
-    from .quant import quantize_model_fp8_
-
     layers = net.model.layers
     net.model.layers = torch.nn.ModuleList()  # allocate everything but the decoder layers
     net.to_empty(device=device)
@@ -175,6 +170,25 @@ def materialize(net: HunyuanImage3ForCausalMM, device: str | torch.device, weigh
 
     total.peak_host_rss_gb = peak_rss_gb()
     return total
+
+
+@torch.no_grad()
+def build_model_fp8(config: HunyuanImage3Config, device: str | torch.device = "cpu", *,
+                    weights: str | Path | None = None, seed: int = 0) -> HunyuanImage3ForCausalMM:
+    """An FP8 model on `device` that never exists whole in full precision.
+
+    weights=None: the engine's dummy weights, each decoder layer allocated, filled and quantized in
+    turn (`materialize(quantize=True)`; peak = FP8 model + one bf16 layer). A checkpoint
+    directory (FP8 or bf16/fp32): the FP8 structure is allocated once and `load_pretrained_fp8`
+    fills it tensor by tensor (peak = FP8 model + one full-precision tensor)."""
+    net = build_model(config, device, allocate=False)
+    if weights is None:
+        materialize(net, device, None, seed, quantize=True)
+    else:
+        quantize_model_fp8_(net)
+        net.to_empty(device=device)
+        load_pretrained_fp8(net, weights)
+    return net.eval()
 
 
 def describe(resolved: ResolvedModel) -> tuple[HunyuanImage3Config, Tokenizer, Any, dict[str, str] | None]:

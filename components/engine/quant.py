@@ -21,7 +21,7 @@ Applied from outside, module by module: `quantize_model_fp8_(model)` swaps `Fp8L
 `Fp8Experts` (and `Fp8RowParallelLinear` under tensor parallelism) in for the plain modules of every
 decoder layer; `engine.materialize(quantize=True)` calls it one layer at a time while loading.
 `MoE.forward` hands routing to `self.experts(x, weights, experts, impl)`, which is the seam
-`Fp8Experts` plugs into. `build_model_fp8` gives an FP8 model that never exists whole in bf16.
+`Fp8Experts` plugs into. `engine.build_model_fp8` gives an FP8 model that never exists whole in bf16.
 
 Checkpoint format (written by `save_pretrained_fp8`, read by `load_pretrained_fp8`): the official
 names; each quantized weight is `NAME.weight` in float8_e4m3fn plus `NAME.weight_scale` in float32
@@ -365,27 +365,6 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-@torch.no_grad()
-def build_model_fp8(config: HunyuanImage3Config, device: str | torch.device = "cpu", *,
-                    weights: str | Path | None = None, seed: int = 0) -> HunyuanImage3ForCausalMM:
-    """An FP8 model on `device` that never exists whole in full precision.
-
-    weights=None: the engine's dummy weights, each decoder layer allocated, filled and quantized in
-    turn (`engine.materialize(quantize=True)`; peak = FP8 model + one bf16 layer). A checkpoint
-    directory (FP8 or bf16/fp32): the FP8 structure is allocated once and `load_pretrained_fp8`
-    fills it tensor by tensor (peak = FP8 model + one full-precision tensor)."""
-    from .engine import build_model, materialize
-
-    net = build_model(config, device, allocate=False)
-    if weights is None:
-        materialize(net, device, None, seed, quantize=True)
-    else:
-        quantize_model_fp8_(net)
-        net.to_empty(device=device)
-        load_pretrained_fp8(net, weights)
-    return net.eval()
-
-
 # -- FP8 checkpoints ------------------------------------------------------------------------------
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<which>gate_and_up_proj|down_proj)\."
                      r"(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
@@ -466,7 +445,7 @@ def _scale_spec(weight_spec, scale_shape) -> tuple | None:
 
 @torch.no_grad()
 def load_pretrained_fp8(model: nn.Module, directory: str | Path, strict: bool = True) -> None:
-    """Fill an already quantized model (see `build_model_fp8`) from an FP8 or a plain checkpoint.
+    """Fill an already quantized model (see `engine.build_model_fp8`) from an FP8 or a plain checkpoint.
 
     Plain weights of quantized modules are quantized tensor by tensor as they are read; FP8 weights
     are copied and paired with their scale once all files are read."""

@@ -18,6 +18,7 @@ from torch import nn
 from . import kernels
 from .config import HunyuanImage3Config
 from .kernels import attention as flex_kernels
+from .kernels.compiled_layers import run_layers
 from .kernels.moe import choose_impl, moe_fused, sort_by_expert, start_on_side_stream
 
 
@@ -345,14 +346,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache, layer):
         q, k, v = self.attention_inputs(x, cos, sin)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)
-        return self.finish(x, attend(q, k, v, mask))
+        return self.finish(x, self.cached_attention(q, k, v, mask, cache, layer))
 
     # The layer around its attention call, in two parts that depend only on x's shape (not on the
     # cache length or the layer index): what `kernels.compiled_layers` compiles, once for all layers.
+    # The middle, `cached_attention`, stays eager.
     def attention_inputs(self, x, cos, sin):
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    @staticmethod
+    def cached_attention(q, k, v, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
+        """The step's K/V written to the cache (when there is one), then attention over it."""
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        return attend(q, k, v, mask)
 
     def finish(self, x, attention_out):
         x = x + self.self_attn.output(attention_out)
@@ -547,8 +554,6 @@ class HunyuanImage3ForCausalMM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
         indices = layers if layers is not None else self.stage_layers
         if compiled:
-            from .kernels.compiled_layers import run_layers
-
             return run_layers(self, x, cos, sin, mask, cache, indices)
         for i in indices:
             x = self.model.layers[i](x, cos, sin, mask, cache, i)

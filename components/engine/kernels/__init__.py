@@ -131,12 +131,17 @@ def first_error() -> str | None:
     return _first_error
 
 
+class RankLost(RuntimeError):
+    """A collective failed: another rank of the group died or hung. Never a row's own error: the
+    step stops (nothing of the shard is committed) and the launcher reports the rank that failed.
+    (Raised by `parallel.py`; defined here, the engine's lowest layer, because `is_kernel_failure`
+    must let it through.)"""
+
+
 def is_kernel_failure(error: BaseException) -> bool:
     """Whether an exception from a fast path is the kernel's or compiler's failure, which the plain
     path avoids; out of memory, a lost rank and bad inputs (ValueError, TypeError, IndexError,
     KeyError: the plain path would reject them too) are not, and must reach the caller."""
-    from ..parallel import RankLost
-
     if not isinstance(error, Exception):
         return False
     return not isinstance(error, (torch.OutOfMemoryError, RankLost, ValueError, TypeError, IndexError, KeyError))

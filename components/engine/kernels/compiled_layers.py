@@ -28,7 +28,6 @@ from typing import Callable
 import torch
 
 from .. import kernels
-from ..transformer import DecoderLayer, KVCache, attend
 from .attention import allow_recompiles
 
 # graphs a compiled part may keep (one per bucket shape and batch: ~33 ratio buckets x CFG batch 1
@@ -45,15 +44,16 @@ DYNAMIC_TOKENS = False
 _regions: dict[bool, tuple[Callable, Callable]] = {}
 
 
-def regions(decode: bool = False) -> tuple[Callable, Callable]:
-    """The compiled (attention_inputs, finish) pair, made on first use. The AR decode step has its
-    own pair, dynamic in the batch (its rows change as rows come and go: one graph serves them all,
-    where static graphs would compile once per batch bucket)."""
+def regions(layer_type: type, decode: bool = False) -> tuple[Callable, Callable]:
+    """The compiled (attention_inputs, finish) pair of the decoder layer class (transformer's
+    DecoderLayer: taken from the layer, so the kernels never import the model), made on first use.
+    The AR decode step has its own pair, dynamic in the batch (its rows change as rows come and go:
+    one graph serves them all, where static graphs would compile once per batch bucket)."""
     if decode not in _regions:
         allow_recompiles(RECOMPILE_LIMIT)
         dynamic = None if decode or DYNAMIC_TOKENS else False  # None: the dims marked in layer_step only
-        _regions[decode] = (torch.compile(DecoderLayer.attention_inputs, backend=BACKEND, dynamic=dynamic),
-                            torch.compile(DecoderLayer.finish, backend=BACKEND, dynamic=dynamic))
+        _regions[decode] = (torch.compile(layer_type.attention_inputs, backend=BACKEND, dynamic=dynamic),
+                            torch.compile(layer_type.finish, backend=BACKEND, dynamic=dynamic))
     return _regions[decode]
 
 
@@ -63,25 +63,23 @@ def reset() -> None:
     torch._dynamo.reset()
 
 
-def layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask,
-               cache: KVCache | None, index: int) -> torch.Tensor:
-    """DecoderLayer.forward with its two compiled parts."""
+def layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask,
+               cache, index: int) -> torch.Tensor:
+    """DecoderLayer.forward with its two compiled parts (cache: the model's KVCache or None)."""
     decode = x.shape[1] == 1  # an AR decode step: one token per row, dynamic in the rows
-    attention_inputs, finish = regions(decode)
+    attention_inputs, finish = regions(type(layer), decode)
     dynamic = decode or DYNAMIC_TOKENS
     if dynamic:
         for t in (x, cos, sin):
             torch._dynamo.maybe_mark_dynamic(t, 0 if decode else 1)
     q, k, v = attention_inputs(layer, x, cos, sin)
-    if cache is not None:
-        k, v = cache.update(index, k, v)
-    out = attend(q, k, v, mask)
+    out = layer.cached_attention(q, k, v, mask, cache, index)
     if dynamic:
         torch._dynamo.maybe_mark_dynamic(out, 0 if decode else 2)
     return finish(layer, x, out)
 
 
-def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache: KVCache | None,
+def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache,
                indices) -> torch.Tensor:
     """`model.forward_layers(..., compiled=True)`: the layers `indices` through the compiled parts,
     or plainly for a shape whose compiled parts failed (the cache writes of a failed try are
