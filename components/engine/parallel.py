@@ -40,14 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import RankLost  # defined with the kernels (is_kernel_failure lets it through)
 from .kernels.moe import choose_impl
 from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, MoE, _combine
 from .weights import LoadSlices
-
-
-class RankLost(RuntimeError):
-    """A collective failed: another rank of the group died or hung. Never a row's own error: the
-    step stops (nothing of the shard is committed) and the launcher reports the rank that failed."""
 
 
 def _collective(fn):
@@ -438,14 +434,15 @@ def _sliced_mlp(mlp: MLP, ctx: ParallelContext, prefix: str, slices: LoadSlices,
 
 
 class RowBiasOnce(nn.Module):
-    """A partial-sum linear whose bias must count once across ranks: rank 0 adds it."""
+    """A partial-sum linear whose bias must count once in its tensor-parallel group's sum: TP rank 0
+    of the group adds it, in every pipeline stage and both CFG groups (each sums on its own)."""
 
     def __init__(self, linear: nn.Linear, ctx: ParallelContext) -> None:
         super().__init__()
         self.weight, self.bias, self.ctx = linear.weight, linear.bias, ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias if self.ctx.is_first else None)
+        return F.linear(x, self.weight, self.bias if self.ctx.rank == 0 else None)
 
 
 def _parallel_attention(attn: Attention, ctx: ParallelContext, prefix: str, slices: LoadSlices) -> None:
