@@ -140,7 +140,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         if owner:
             layout.write_json(layout.step_timing_key(shard, "dit"), {
                 "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
-                "memory": memory_stats, "compile": compile_stats})
+                "memory": memory_stats, "compile": compile_stats, "group_fallbacks": out_io.group_fallbacks})
         t_rows_done = time.perf_counter()  # the step's work after its last row: said when it is long
         marker = writer.commit() if owner else {}
         t_committed = time.perf_counter()
@@ -160,7 +160,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
               f"compile cache {t_end - t_closed:.1f} s)", file=sys.stderr, flush=True)
     progress.finish(task)
     return {"shard": shard, **marker, "kv_wait_s": round(out_io.kv_wait_s, 4),
-            "kv_deletes_failed": kv_io.deletes_failed, "kernel_fallbacks": kernels.fallbacks() - fallbacks_before}
+            "kv_deletes_failed": kv_io.deletes_failed, "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
+            "group_fallbacks": out_io.group_fallbacks}
 
 
 TAIL_SAID_S = 2.0  # a step's closing work longer than this is said in the log, split by part
@@ -220,8 +221,15 @@ def _denoise_rows(engine, out_io: _RowWriter, rows: list[_DiTRow], *, gen: dict[
             return
         except RankLost:
             raise  # another rank died: the step fails, nothing is committed
-        except Exception:  # noqa: BLE001 - every stage fails alike (same inputs): retry row by row
-            pass
+        except Exception as e:  # noqa: BLE001 - every stage fails alike (same inputs): retry row by row
+            # said and counted: the group's first row carries it in kernel_fallbacks, the step in
+            # its record's group_fallbacks (the rows still come out, each alone, slower)
+            kernels.record_fallback("dit_pipeline_group", len(rows), e)
+            out_io.group_fallbacks += 1
+            if out_io.enabled:
+                print(f"dit: {len(rows)} rows denoised together through the pipeline stages failed "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}); denoising them "
+                      "one by one", file=sys.stderr, flush=True)
     for row in rows:
         try:
             out = engine.dit(requests[row.key])
@@ -413,6 +421,7 @@ class _RowWriter:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="row-writer")
         self.futures: list[Future] = []
         self.kv_wait_s = 0.0
+        self.group_fallbacks = 0  # pipeline groups that failed together and were denoised row by row
 
     def ok(self, row_id: str, image: Any, latents: Any, key: str, metrics: dict[str, Any]) -> None:
         self.kv_wait_s += metrics["kv_wait_s"]
