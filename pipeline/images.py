@@ -22,6 +22,7 @@ import ast
 import functools
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -47,6 +48,13 @@ class Image:
     provides: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Pinned requirements no module imports (native libraries another wheel loads).
     extra_requirements: tuple[str, ...] = ()
+    # Which torch build the Dockerfile installs first (its own index): "cuda" or "cpu".
+    torch_build: str = "cpu"
+
+    @property
+    def with_torch(self) -> tuple[str, ...]:
+        """Modules this image gets as dependencies of its torch build, not from its requirements file."""
+        return TORCH_BRINGS[self.torch_build]
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -65,6 +73,7 @@ IMAGES = {
         # loads libcudart.so.12, which this wheel ships (the CUDA 13 driver runs CUDA 12 code).
         provides={"mooncake": ("mooncake-transfer-engine",)},
         extra_requirements=("nvidia-cuda-runtime-cu12==12.9.79",),
+        torch_build="cuda",
     ),
     "tools": Image(
         name="ardit-tools",
@@ -73,16 +82,19 @@ IMAGES = {
         helpers=("pipeline.launch", "pipeline.probes", "components.kvstore.cli"),
         binaries=("mooncake_master", "mooncake_client", "mooncake_http_metadata_server"),
         provides={"mooncake": ("mooncake-transfer-engine-non-cuda",)},
+        torch_build="cpu",
     ),
 }
 
 # Distributions installed separately from the requirements files (the Dockerfiles install torch
 # first from the PyTorch index that matches the image's CUDA, or the CPU index).
 INSTALLED_SEPARATELY = ("torch",)
-# Modules that come with that torch install where they are needed: CUDA builds of torch depend on
-# Triton; CPU builds do not ship it, and the engine imports it optionally (kernels/decode_attention.py,
-# kernels/fp8_grouped.py run only on CUDA).
-INSTALLED_WITH_TORCH = ("triton",)
+# Modules each torch build brings as its own dependencies: the CUDA build depends on Triton; the
+# CPU build does not ship it, and the engine imports it only where it is optional
+# (kernels/decode_attention.py, kernels/fp8_grouped.py run only on CUDA). So Triton is neither in a
+# requirements file nor checked in the tools image (CPU torch), and must import in the GPU image.
+TORCH_BRINGS: dict[str, tuple[str, ...]] = {"cuda": ("triton",), "cpu": ()}
+INSTALLED_WITH_TORCH = tuple(sorted({m for ms in TORCH_BRINGS.values() for m in ms}))
 
 
 def _module_file(name: str) -> Path | None:
@@ -303,6 +315,40 @@ def _import(module: str) -> str | None:
     return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1]
 
 
+_IMPORT_ALL = """
+import importlib, json, sys
+failed = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        failed.append(name)
+print(json.dumps(failed))
+"""
+
+
+def _imports(modules: Iterable[str]) -> dict[str, str]:
+    """``{module: error}`` for the modules that do not import. All are tried in one fresh interpreter
+    first (one torch import instead of one per module); those that fail there, or all of them if
+    that interpreter dies (a crashing native library), again each in its own for the message."""
+    modules = sorted(modules)
+    if not modules:
+        return {}
+    done = subprocess.run([sys.executable, "-c", _IMPORT_ALL, *modules], capture_output=True, text=True, check=False)
+    try:
+        suspects = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else modules
+    except (IndexError, ValueError):
+        suspects = modules
+    return {m: err for m in suspects if (err := _import(m)) is not None}
+
+
+def _torch_build() -> str | None:
+    """"cuda" or "cpu": the build of the installed torch (None: torch does not import)."""
+    done = subprocess.run([sys.executable, "-c", "import torch; print('cuda' if torch.version.cuda else 'cpu')"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 # Libraries only the NVIDIA driver provides; the container runtime mounts them into GPU pods, so
 # at build time (no driver) a module that links them cannot be imported, only checked with ldd.
 DRIVER_LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
@@ -320,10 +366,18 @@ def _missing_libraries(module: str) -> set[str]:
     return {line.split("=>")[0].strip() for line in out.splitlines() if "not found" in line}
 
 
-def check_image(key: str | Image) -> list[str]:
-    """Problems with the current environment as image ``key``; empty when it can run its steps."""
+def check_image(key: str | Image, torch_build: str | None = None) -> list[str]:
+    """Problems with the current environment as image ``key``; empty when it can run its steps.
+
+    ``torch_build``: the torch build installed in place of the image's own (None: the image's own,
+    which is checked). A CPU torch standing in for the GPU image's CUDA build (tests: no CUDA wheels
+    here) brings none of what only the CUDA build brings (Triton), so that is not checked then."""
     image = IMAGES[key] if isinstance(key, str) else key
     problems = []
+    expected = torch_build or image.torch_build
+    if (found := _torch_build()) != expected:
+        problems.append(f"torch: expected the {expected} build, found {found or 'none (import failed)'}")
+    brought = TORCH_BRINGS[expected]
     modules: set[str] = set()
     for step in image.modules:
         if (err := _import(step)) is not None:
@@ -334,10 +388,13 @@ def check_image(key: str | Image) -> list[str]:
             if done.returncode != 0:
                 problems.append(f"python -m {step} --help exited {done.returncode}: {done.stderr.strip()[-500:]}")
         modules |= set(_scan(step))
-    for module in sorted(modules):
-        err = _import(module)
-        if err is None:
-            continue
+    # What a torch build brings is checked only where this torch brings it: elsewhere the code
+    # imports it optionally (and no requirements file names it).
+    skipped = sorted(m for m in modules if m.split(".")[0] in INSTALLED_WITH_TORCH and m.split(".")[0] not in brought)
+    if skipped:
+        print(f"not checked (brought only by another torch build than {expected}; imported optionally): "
+              f"{', '.join(skipped)}")
+    for module, err in sorted(_imports(modules - set(skipped)).items()):
         missing = _missing_libraries(module) if "cannot open shared object file" in err else set()
         if missing and missing <= set(DRIVER_LIBRARIES):
             print(f"ok (needs the GPU driver's {', '.join(sorted(missing))} at run time): {module}")
@@ -358,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="check this environment can run the image's steps (exit 1 if not)")
     c.add_argument("image", choices=sorted(IMAGES))
+    c.add_argument("--torch", choices=sorted(TORCH_BRINGS), default=None,
+                   help="the torch build installed in place of the image's own (tests put the CPU build in the "
+                        "GPU image's place: what only the CUDA build brings, Triton, is then not checked)")
     s = sub.add_parser("imports", help="third-party modules a step module can reach, and who imports them")
     s.add_argument("module")
     r = sub.add_parser("requirements", help="print the image's pinned requirements (closure from this environment)")
@@ -376,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         for module, users in sorted(third_party_imports(args.module).items()):
             print(f"{module:20s} {', '.join(sorted(users))}")
         return 0
-    problems = check_image(args.image)
+    problems = check_image(args.image, torch_build=args.torch)
     for problem in problems:
         print(f"FAIL {problem}", file=sys.stderr)
     if not problems:

@@ -14,6 +14,11 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -c constraints.txt -e ".[test]"
+# tests/test_images_env.py builds each image's Python environment from its requirements file, inside
+# the network namespace below: fetch those wheels (and torch's) while the network is there.
+export ARDIT_IMAGE_WHEELS="${ARDIT_IMAGE_WHEELS:-$HOME/.cache/ardit/image-wheels}"
+.venv/bin/pip download -q -d "$ARDIT_IMAGE_WHEELS" torch==2.13.0
+.venv/bin/pip download -q --no-deps -d "$ARDIT_IMAGE_WHEELS" -r images/requirements-gpu.txt -r images/requirements-tools.txt
 
 need_apt=()
 /sbin/ldconfig -p | grep -q libibverbs.so.1 || need_apt+=(libibverbs1)
