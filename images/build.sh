@@ -46,6 +46,8 @@ images:
     newTag: $TAG
 YAML
   echo "pinned in $IMAGES_FILE"
+  # Nothing running picks the new images up by itself (docs/deploy.md section 1, "After every rebuild").
+  echo "next: kubectl apply -k your overlay; the cron: kubectl get cronworkflow ... | ardit pin-images --images $IMAGES_FILE | kubectl replace -f -"
 fi
 
 # What the cluster will run (docs/deploy.md):

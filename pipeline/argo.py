@@ -143,21 +143,24 @@ def _step(step: str, s: ClusterSettings, with_weights: bool = False, volume_moun
         active_deadline_seconds=s.deadline(step),
         # Steps skip committed work, so a retry resumes rather than redoes.
         retry_strategy=RetryStrategy(limit=retry.limit, retry_policy="Always", expression=retry.argo_expression(),
-                                     backoff=_backoff(retry, s.deadline(step))),
+                                     backoff=_backoff(retry, s.deadline(step), s.attempt_queue_seconds)),
     )
 
 
-def _backoff(retry: RetryPolicy, attempt_timeout: int) -> Any:
+# The fields of Argo 3.6's Backoff (the oldest Argo docs/deploy.md supports): no `cap`, which 3.7 added.
+ARGO_BACKOFF_FIELDS = ("duration", "factor", "maxDuration")
+
+
+def _backoff(retry: RetryPolicy, attempt_timeout: int, queue_seconds: int = 0) -> Any:
     """Argo's backoff for ``retry``. ``maxDuration`` is the whole retry window from the first
     attempt's start (a retry due after it is never made, a running one is cut short), so it covers
-    every attempt at its deadline plus the delays: the window KFP's pod deadline has too.
-    ``cap`` (the per-delay limit, Argo >= 3.7) is written only when a delay would exceed it."""
+    every attempt at its deadline, the time each may wait unscheduled, and the delays. Argo 3.6 has
+    no per-delay cap, so its delays keep doubling past ``max_backoff_seconds`` (which only KFP's
+    launcher applies) and the window counts them uncapped."""
     from hera.workflows import models as m
 
-    uncapped = [retry.backoff_seconds * retry.factor ** i for i in range(retry.limit)]
-    cap = f"{retry.max_backoff_seconds}s" if max(uncapped, default=0) > retry.max_backoff_seconds else None
-    return m.Backoff(duration=f"{retry.backoff_seconds}s", factor=retry.factor, cap=cap,
-                     max_duration=f"{retry.window_seconds(attempt_timeout)}s")
+    return m.Backoff(duration=f"{retry.backoff_seconds}s", factor=retry.factor,
+                     max_duration=f"{retry.window_seconds(attempt_timeout, queue_seconds, capped=False)}s")
 
 
 def _declare_pipeline(kind: str, s: ClusterSettings, summary: Any, with_weights: bool) -> Any:
@@ -258,7 +261,8 @@ def accuracy_sweep_template(settings: ClusterSettings | None = None) -> Any:
         m.Volume(name="sweeps", persistent_volume_claim=m.PersistentVolumeClaimVolumeSource(claim_name=s.sweep_pvc)),
     ]
     with WorkflowTemplate(name=TEMPLATES["accuracy_sweep"], arguments=_arguments(SWEEP_PARAMETERS), volumes=volumes,
-                          **_spec(s, s.retry_policy("sweep").window_seconds(s.deadline("sweep")))) as wt:
+                          **_spec(s, s.retry_policy("sweep").window_seconds(
+                              s.deadline("sweep"), s.attempt_queue_seconds, capped=False))) as wt:
         mounts = [m.VolumeMount(name="sweep-spec", mount_path=str(PurePosixPath(SWEEP_SPEC).parent), read_only=True),
                   m.VolumeMount(name="sweeps", mount_path=SWEEP_OUTPUT)]
         variants = {w: _step("sweep", s, with_weights=w, volume_mounts=mounts) for w in (False, True)}
@@ -282,18 +286,19 @@ def cron_workflow(settings: ClusterSettings | None = None) -> Any:
     return cron
 
 
-def render_all(settings: ClusterSettings | None = None) -> dict[str, str]:
-    """``{file name: YAML}`` for every WorkflowTemplate and the CronWorkflow."""
+def render_all(settings: ClusterSettings | None = None, cron: bool = True) -> dict[str, str]:
+    """``{file name: YAML}`` for every WorkflowTemplate and (``cron``) the CronWorkflow."""
     docs = {f"{TEMPLATES[p]}.yaml": workflow_template(p, settings).to_yaml() for p in TEMPLATES}
-    docs[f"{CRON_NAME}.yaml"] = cron_workflow(settings).to_yaml()
+    if cron:
+        docs[f"{CRON_NAME}.yaml"] = cron_workflow(settings).to_yaml()
     return docs
 
 
-def write_all(out_dir: str | Path, settings: ClusterSettings | None = None) -> list[Path]:
+def write_all(out_dir: str | Path, settings: ClusterSettings | None = None, cron: bool = True) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, text in render_all(settings).items():
+    for name, text in render_all(settings, cron).items():
         (out / name).write_text(text)
         paths.append(out / name)
     return paths

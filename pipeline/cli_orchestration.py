@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from pipeline.cluster import RUN_PARAMETERS, SWEEP_PARAMETERS
 from pipeline.kfp_pipelines import (
     PIPELINES,  # a light module: kfp is imported inside its functions
 )
@@ -31,10 +32,11 @@ class SubmitEngine(str, Enum):  # a run goes to one engine: no "all" here
     argo = "argo"
 
 
-def _settings(path: Path | None, images: Path | None = None, need_images: bool = False) -> Any:
+def _settings(path: Path | None, images: Path | None = None, need_images: str = "") -> Any:
     """ClusterSettings from ``--settings``, image names resolved through ``--images``.
 
-    ``need_images``: KFP runs what it compiles, so bare kustomize names are a usage error there."""
+    ``need_images``: what runs its images as written (KFP, the Argo cron), for which bare kustomize
+    names are a usage error."""
     from pipeline.cluster import ClusterSettings, read_kustomize_images, unresolved_images
 
     try:
@@ -45,8 +47,9 @@ def _settings(path: Path | None, images: Path | None = None, need_images: bool =
         raise typer.BadParameter(str(e), param_hint="--settings/--images") from e
     if need_images and (bare := unresolved_images(s)):
         raise typer.BadParameter(
-            f"KFP needs pullable images, got {', '.join(bare)}: pass --images manifests/images/kustomization.yaml "
-            "(written by images/build.sh) or set gpu_image / tools_image in --settings", param_hint="--images")
+            f"{need_images} needs pullable images, got {', '.join(bare)}: pass --images "
+            "manifests/images/kustomization.yaml (written by images/build.sh) or set gpu_image / tools_image in "
+            "--settings", param_hint="--images")
     return s
 
 
@@ -57,10 +60,8 @@ ImagesOpt = Annotated[Path | None, typer.Option(
     "--images", help="kustomize file whose `images:` name the image references (manifests/images/"
     "kustomization.yaml, written by images/build.sh); required for KFP", exists=True, dir_okay=False)]
 ParamOpt = Annotated[list[str] | None, typer.Option(
-    "-p", "--param", help="pipeline parameter KEY=VALUE (repeatable): dataset, output, run_id, num_shards, model, "
-    "weights_pvc, tensor_parallel_size, quantization, steps, guidance, bot_task, batch_invariant, step_cache, "
-    "kv_store; accuracy_sweep: "
-    "sweep_id, spec_config_map, weights_pvc, tensor_parallel_size")]
+    "-p", "--param", help=f"pipeline parameter KEY=VALUE (repeatable): {', '.join(RUN_PARAMETERS)}; "
+    f"accuracy_sweep: {', '.join(SWEEP_PARAMETERS)}")]
 TokenOpt = Annotated[str | None, typer.Option(envvar="ARDIT_SUBMIT_TOKEN", help="bearer token")]
 
 
@@ -72,8 +73,16 @@ def compile_cmd(
     settings: SettingsOpt = None,
     images: ImagesOpt = None,
 ) -> None:
-    """Write the KFP IR YAML of every pipeline and the Argo WorkflowTemplates + CronWorkflow."""
-    s = _settings(settings, images)
+    """Write the KFP IR YAML of every pipeline and the Argo WorkflowTemplates + CronWorkflow.
+
+    The cron and the KFP pipelines run their images as written, so they need --images (or images in
+    --settings); without, only the Argo WorkflowTemplates are written, with the kustomize image
+    names that `kubectl apply -k` pins (`--engine argo`, e.g. into manifests/base)."""
+    from pipeline.cluster import unresolved_images
+
+    s = _settings(settings, images, need_images="" if engine == Engine.argo else
+                  "KFP (and the Argo cron; --engine argo without --images writes only the WorkflowTemplates)")
+    pinned = not unresolved_images(s)
     written: list[str] = []
     if engine in (Engine.kfp, Engine.all):
         from pipeline.kfp_pipelines import compile_pipelines
@@ -82,9 +91,40 @@ def compile_cmd(
     if engine in (Engine.argo, Engine.all):
         from pipeline.argo import write_all
 
-        written += [str(p) for p in write_all(out / "argo", s)]
+        written += [str(p) for p in write_all(out / "argo", s, cron=pinned)]
+    if not pinned:
+        typer.echo("note: no --images: wrote the WorkflowTemplates with the kustomize image names (kubectl apply -k "
+                   "pins them), not the CronWorkflow, which runs its images as written: pass --images "
+                   "manifests/images/kustomization.yaml for it", err=True)
     for path in written:
         typer.echo(path)
+
+
+@app.command("pin-images")
+def pin_images_cmd(
+    images: Annotated[Path, typer.Option(
+        "--images", help="kustomize file whose `images:` name the references (manifests/images/kustomization.yaml)",
+        exists=True, dir_okay=False)],
+) -> None:
+    """Read one object (YAML or JSON) on stdin, write it with its ardit images replaced by --images.
+
+    For the cron after an image rebuild: `kubectl get cronworkflow NAME -o yaml | ardit pin-images
+    --images FILE | kubectl replace -f -` changes the images only; its suspend state and any patch stay."""
+    import sys
+
+    import yaml
+
+    from pipeline.cluster import pin_images, read_kustomize_images
+
+    refs = read_kustomize_images(images)
+    if not refs:
+        raise typer.BadParameter(f"{images} names no images", param_hint="--images")
+    obj = yaml.safe_load(sys.stdin.read())
+    if not isinstance(obj, dict):
+        raise typer.BadParameter("stdin holds no Kubernetes object (expected YAML or JSON)", param_hint="stdin")
+    if pin_images(obj, refs) == 0:
+        raise typer.BadParameter(f"the object has no image named {' or '.join(sorted(refs))}", param_hint="stdin")
+    typer.echo(yaml.safe_dump(obj, sort_keys=False), nl=False)
 
 
 def parse_params(pairs: list[str]) -> dict[str, str]:
@@ -209,7 +249,7 @@ def submit_cmd(
     check_params(pipeline, params)
     if engine == SubmitEngine.kfp:
         name = _submit_kfp(pipeline, params, host, token, namespace, experiment,
-                           _settings(settings, images, need_images=True))
+                           _settings(settings, images, need_images="KFP"))
     else:
         from pipeline.argo import SubmitError, submit
 
@@ -268,7 +308,7 @@ def schedule_cmd(
     from pipeline.argo import CRON_NAME
     from pipeline.kfp_pipelines import SCHEDULED_PIPELINE, build_pipelines
 
-    s = _settings(settings, images, need_images=True)
+    s = _settings(settings, images, need_images="KFP")
     params = {k: v for k, v in s.cron_parameters().items() if v is not None} | parse_params(param or [])
     check_params("generate_dataset", params | {"run_id": "scheduled"})
     fn = build_pipelines(s)[SCHEDULED_PIPELINE]

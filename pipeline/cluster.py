@@ -130,16 +130,20 @@ class RetryPolicy:
         return ("lastRetry.status == 'Error' or (lastRetry.status == 'Failed' and "
                 f"asInt(lastRetry.exitCode) not in [{codes}])")
 
-    def delays(self) -> list[int]:
-        """Seconds to wait before retry 1..limit."""
-        return [min(self.backoff_seconds * self.factor ** i, self.max_backoff_seconds) for i in range(self.limit)]
+    def delays(self, capped: bool = True) -> list[int]:
+        """Seconds to wait before retry 1..limit. ``capped=False``: Argo's delays, which keep
+        growing past ``max_backoff_seconds`` (Argo 3.6 has no per-delay cap; ``backoff.cap`` is 3.7+)."""
+        return [min(d, self.max_backoff_seconds) if capped else d
+                for d in (self.backoff_seconds * self.factor ** i for i in range(self.limit))]
 
-    def window_seconds(self, attempt_timeout: int) -> int:
+    def window_seconds(self, attempt_timeout: int, queue_seconds: int = 0, capped: bool = True) -> int:
         """Seconds from the first attempt's start until the last may end: every attempt at its
-        deadline plus the backoffs between them. Argo's ``backoff.maxDuration`` and KFP's pod
-        deadline are both this window (Argo reads maxDuration as the whole retry window, counted
-        from the first attempt, not as a cap on one delay)."""
-        return attempt_timeout * (self.limit + 1) + sum(self.delays())
+        deadline, after waiting up to ``queue_seconds`` unscheduled, plus the backoffs between them.
+        Argo's ``backoff.maxDuration`` is this window counted from the first attempt (pending time
+        included: a pod's own deadline starts only once a node runs it, so without the queue term
+        each wait in a busy GPU queue came off the last attempt). KFP's pod deadline is the window
+        without it: KFP retries inside one running pod (``launcher_args``)."""
+        return (attempt_timeout + queue_seconds) * (self.limit + 1) + sum(self.delays(capped))
 
     def launcher_args(self, attempt_timeout: int) -> list[str]:
         """pipeline.launch options that apply this policy inside one pod (KFP)."""
@@ -254,6 +258,9 @@ class ClusterSettings:
     max_parallel_shards: int = 4
     retry: RetryPolicy = RetryPolicy()
     step_deadline_seconds: dict[str, int] = field(default_factory=_default_deadlines)
+    # How long one Argo attempt may wait unscheduled (a busy GPU queue) that its retry window still
+    # allows for: Argo's window counts pending time, the attempt's own deadline does not.
+    attempt_queue_seconds: int = 3600
     workflow_deadline_seconds: int = 48 * 3600
     cron_dataset: str = "s3://ardit/prompts/daily.parquet"
     cron_output: str = "s3://ardit/generated"
@@ -332,6 +339,32 @@ def read_kustomize_images(path: str | Path) -> dict[str, str]:
             ref += f":{entry['newTag']}"
         out[entry["name"]] = ref
     return out
+
+
+def image_name(ref: str) -> str:
+    """The repository's last path component of an image reference: reg:5000/ml/ardit-gpu@sha256:... -> ardit-gpu."""
+    ref = ref.split("@", 1)[0]
+    last = ref.rsplit("/", 1)[-1]
+    return last.split(":", 1)[0]
+
+
+def pin_images(obj: Any, images: dict[str, str]) -> int:
+    """Replace, in place, every ``image:`` of ``obj`` whose name (``image_name``) is a key of
+    ``images`` (kustomize name -> reference) by that reference; returns how many were replaced.
+
+    For objects already in the cluster with older references: the CronWorkflow, created once and
+    never re-applied (its live state, suspend included, must stay as the operator left it)."""
+    count = 0
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == "image" and isinstance(value, str) and image_name(value) in images:
+                obj[key] = images[image_name(value)]
+                count += 1
+            else:
+                count += pin_images(value, images)
+    elif isinstance(obj, list):
+        count += sum(pin_images(item, images) for item in obj)
+    return count
 
 
 def unresolved_images(settings: ClusterSettings) -> list[str]:

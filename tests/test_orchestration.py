@@ -21,11 +21,14 @@ from pipeline.cluster import (
     RUN_PARAMETERS,
     ClusterSettings,
     Pool,
+    RetryPolicy,
     Toleration,
     check_model_and_weights,
     step_args,
     step_command,
 )
+
+from pipeline.argo import render_all  # hera is imported inside its functions
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
@@ -304,8 +307,8 @@ def _check_step_template(tpl: dict, step: str, with_weights: bool, s: ClusterSet
     assert c["args"] == step_args(step, **values)
     rs = tpl["retryStrategy"]
     # maxDuration is Argo's whole retry window from the first attempt: it must let all 4 attempts
-    # run to their deadline with the backoffs between (30 + 60 + 120 s), as KFP's pod deadline does
-    window = 4 * s.deadline(step) + 30 + 60 + 120
+    # wait their queue allowance and run to their deadline, with the backoffs between (30 + 60 + 120 s)
+    window = 4 * (s.attempt_queue_seconds + s.deadline(step)) + 30 + 60 + 120
     assert rs["limit"] == 3 and rs["backoff"] == {"duration": "30s", "factor": 2, "maxDuration": f"{window}s"}
     never = "1, 2" if step == "sweep" else "2"
     assert f"asInt(lastRetry.exitCode) not in [{never}]" in rs["expression"]
@@ -493,7 +496,7 @@ def test_documented_cron_dataset_passes_the_cron_shard_check(argo_docs, tmp_path
 def test_committed_argo_renders_equal_generated():
     from pipeline.argo import render_all
 
-    rendered = render_all()
+    rendered = render_all(cron=False)  # the cron is rendered with pinned images (--images), never committed
     committed = {p.name: p.read_text() for p in (MANIFESTS / "base" / "argo").glob("*.yaml")}
     assert committed == rendered, "run: ardit compile --engine argo --out manifests/base"
 
@@ -517,20 +520,66 @@ def test_argo_and_kfp_share_the_retry_policy(argo_docs, kfp_dir):
                 kfp[c[-1]] = _launcher_options(c)["--no-retry-exit-codes"]
                 kfp_window[c[-1]] = f"{k8s[name]['activeDeadlineSeconds']}s"
     assert argo == kfp
-    # the same retry window: Argo's maxDuration (from the first attempt) is KFP's pod deadline
-    assert argo_window == kfp_window
+    # the same retry window, but for the queue: Argo's maxDuration (from the first attempt) also
+    # counts the time each attempt's pod may wait unscheduled; KFP retries inside one running pod
+    s = ClusterSettings()
+    queued = {m: f"{int(w[:-1]) + (s.retry.limit + 1) * s.attempt_queue_seconds}s" for m, w in kfp_window.items()}
+    assert argo_window == queued
     assert set(argo) == {f"components.{s}" for s in ("shard", "ar", "dit", "summary")} | {"pipeline.sweep"}
     assert all("2" in codes.split(",") for codes in argo.values())
 
 
-def test_argo_backoff_caps_each_delay_only_when_a_delay_would_exceed_the_cap():
-    from pipeline.argo import _backoff
-    from pipeline.cluster import RetryPolicy
+def _last_attempt_end(backoff: dict, limit: int, queue: int, run: int) -> int:
+    """Seconds from the first attempt's start (Argo's maxDuration clock) until the last attempt,
+    each waiting ``queue`` s unscheduled and failing at ``run`` s, ends; Argo's delays grow by
+    ``factor`` without a cap (3.6)."""
+    delay, t = int(backoff["duration"][:-1]), 0
+    for attempt in range(limit + 1):
+        t += queue + run
+        if attempt < limit:
+            t += delay
+            delay *= backoff["factor"]
+    return t
 
-    default = _backoff(RetryPolicy(), 3600)  # 30, 60, 120 s: never above 600 s
-    assert default.cap is None and default.max_duration == f"{4 * 3600 + 210}s"
-    long = _backoff(RetryPolicy(limit=6, max_backoff_seconds=300), 100)  # 30 .. 960 s uncapped
-    assert long.cap == "300s" and long.max_duration == f"{7 * 100 + 30 + 60 + 120 + 240 + 300 + 300}s"
+
+def test_argo_retry_window_lets_the_last_attempt_run_its_deadline_after_queueing(argo_docs):
+    """Each attempt may wait `attempt_queue_seconds` in a GPU queue (that time is not part of its
+    own deadline but is part of maxDuration): the 4th AR attempt still gets its full 6 h. Without
+    the allowance 30 min of queue per attempt left it 4 h."""
+    s = ClusterSettings()
+    for doc in argo_docs.values():
+        spec = doc["spec"].get("workflowSpec", doc["spec"])
+        for tpl in spec["templates"]:
+            if "container" not in tpl:
+                continue
+            rs, deadline = tpl["retryStrategy"], tpl["activeDeadlineSeconds"]
+            window = int(rs["backoff"]["maxDuration"][:-1])
+            assert _last_attempt_end(rs["backoff"], rs["limit"], s.attempt_queue_seconds, deadline) <= window
+            assert _last_attempt_end(rs["backoff"], rs["limit"], s.attempt_queue_seconds + 1, deadline) > window
+    without = ClusterSettings(attempt_queue_seconds=0)
+    ar = yaml.safe_load(render_all(without)["ardit-batch-edit.yaml"])
+    tpl = next(t for t in ar["spec"]["templates"] if t["name"] == "ar")
+    window = int(tpl["retryStrategy"]["backoff"]["maxDuration"][:-1])
+    assert _last_attempt_end(tpl["retryStrategy"]["backoff"], 3, 1800, 6 * 3600) > window  # the old edge
+
+
+@pytest.mark.parametrize("limit", [3, 6, 8])
+def test_argo_backoff_has_only_argo_3_6_fields_and_counts_uncapped_delays(limit):
+    """Argo 3.6 (the oldest supported) has no `backoff.cap`: it is never written, whatever the
+    limit; Argo's delays then keep doubling, and maxDuration counts them as Argo waits them."""
+    from pipeline.argo import ARGO_BACKOFF_FIELDS
+
+    s = ClusterSettings(retry=RetryPolicy(limit=limit))
+    for doc in render_all(s).values():
+        d = yaml.safe_load(doc)
+        spec = d["spec"].get("workflowSpec", d["spec"])
+        for tpl in spec["templates"]:
+            if "container" in tpl:
+                backoff = tpl["retryStrategy"]["backoff"]
+                assert set(backoff) == set(ARGO_BACKOFF_FIELDS)
+                uncapped = sum(30 * 2 ** i for i in range(limit))
+                assert int(backoff["maxDuration"][:-1]) == (
+                    (limit + 1) * (tpl["activeDeadlineSeconds"] + s.attempt_queue_seconds) + uncapped)
 
 
 def test_compile_command_writes_both_engines(tmp_path):
@@ -546,9 +595,84 @@ def test_compile_command_writes_both_engines(tmp_path):
     assert sorted(p.name for p in (tmp_path / "kfp").iterdir()) == [
         "accuracy_sweep.yaml", "batch_edit.yaml", "generate_dataset.yaml", "generate_dataset_scheduled.yaml"]
     assert sorted(p.name for p in (tmp_path / "argo").iterdir()) == sorted(
-        p.name for p in (MANIFESTS / "base" / "argo").iterdir())
+        [p.name for p in (MANIFESTS / "base" / "argo").iterdir()] + ["ardit-generate-dataset-cron.yaml"])
     spec, _ = _kfp_docs(tmp_path / "kfp" / "batch_edit.yaml")
     assert spec["deploymentSpec"]["executors"]["exec-ar"]["container"]["image"] == IMAGES["ardit-gpu"]
+
+
+def test_compile_without_images_writes_no_bare_image_names(tmp_path):
+    """Without --images, KFP pipelines and the cron would name `ardit-gpu` / `ardit-tools`, which
+    nothing rewrites: compile refuses those (exit 2) and writes only the WorkflowTemplates, whose
+    names `kubectl apply -k` pins, saying so."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli_orchestration import app
+
+    for engine in ("all", "kfp"):
+        result = CliRunner().invoke(app, ["compile", "--out", str(tmp_path / engine), "--engine", engine])
+        assert result.exit_code == 2 and "needs pullable images" in result.output, result.output
+        assert not (tmp_path / engine).exists()
+    result = CliRunner().invoke(app, ["compile", "--out", str(tmp_path / "argo"), "--engine", "argo"])
+    assert result.exit_code == 0, result.output
+    written = sorted(p.name for p in (tmp_path / "argo" / "argo").iterdir())
+    assert written == sorted(p.name for p in (MANIFESTS / "base" / "argo").iterdir())
+    assert "ardit-generate-dataset-cron.yaml" not in written and "not the CronWorkflow" in result.output
+
+
+def _images_file(path: Path, images: dict[str, str]) -> Path:
+    path.write_text(yaml.safe_dump({"images": [{"name": k, "newName": v.split("@")[0], "digest": v.split("@")[1]}
+                                               for k, v in images.items()]}))
+    return path
+
+
+def test_pin_images_gives_the_live_cron_new_images_and_keeps_its_state(tmp_path):
+    """After a rebuild the cron (created once, never re-applied) gets the new images through
+    `kubectl get -o yaml | ardit pin-images --images FILE | kubectl replace -f -`: the images become
+    those of a fresh render with the new file, and everything the operator changed stays."""
+    from typer.testing import CliRunner
+
+    from pipeline.argo import cron_workflow
+    from pipeline.cli_orchestration import app
+    from pipeline.cluster import read_kustomize_images
+
+    old = {n: f"reg.example:5000/ml/{n}@sha256:" + "a" * 64 for n in ("ardit-gpu", "ardit-tools")}
+    new = {n: f"reg.example:5000/ml/{n}@sha256:" + "b" * 64 for n in ("ardit-gpu", "ardit-tools")}
+    new_file = _images_file(tmp_path / "new.yaml", new)
+    live = yaml.safe_load(cron_workflow(ClusterSettings().with_images(old)).to_yaml())
+    live["metadata"] |= {"namespace": "ardit", "resourceVersion": "4711"}
+    live["spec"]["suspend"] = False  # argo cron resume
+    live["spec"]["schedules"] = ["0 3 * * *"]  # kubectl patch
+    result = CliRunner().invoke(app, ["pin-images", "--images", str(new_file)], input=yaml.safe_dump(live))
+    assert result.exit_code == 0, result.output
+    pinned = yaml.safe_load(result.output)
+    fresh = yaml.safe_load(cron_workflow(ClusterSettings().with_images(read_kustomize_images(new_file))).to_yaml())
+    assert pinned["spec"]["workflowSpec"]["templates"] == fresh["spec"]["workflowSpec"]["templates"]
+    assert pinned["spec"]["suspend"] is False and pinned["spec"]["schedules"] == ["0 3 * * *"]
+    assert pinned["metadata"]["resourceVersion"] == "4711"  # replace refuses if the cron changed meanwhile
+    images = {t["container"]["image"] for t in pinned["spec"]["workflowSpec"]["templates"] if "container" in t}
+    assert images == set(new.values())
+    unpinned = {k: v for k, v in pinned.items()}
+    unpinned["spec"] = dict(pinned["spec"], workflowSpec=live["spec"]["workflowSpec"])
+    assert unpinned == live  # nothing but the images changed
+    other = CliRunner().invoke(app, ["pin-images", "--images", str(new_file)],
+                               input=yaml.safe_dump({"kind": "Pod", "spec": {"containers": [{"image": "busybox"}]}}))
+    assert other.exit_code == 2 and "has no image named" in other.output
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    assert ("kubectl -n ardit get cronworkflow ardit-generate-dataset-cron -o yaml \\\n"
+            "  | ardit pin-images --images manifests/images/kustomization.yaml | kubectl -n ardit replace -f -") in docs
+
+
+def test_submit_help_lists_every_run_parameter():
+    from typer.testing import CliRunner
+
+    from pipeline.cli_orchestration import app
+    from pipeline.cluster import SWEEP_PARAMETERS
+
+    result = CliRunner().invoke(app, ["submit", "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for name in list(RUN_PARAMETERS) + list(SWEEP_PARAMETERS):
+        assert re.search(rf"\b{name}\b", text), name
 
 
 def test_cluster_settings_from_yaml(tmp_path):

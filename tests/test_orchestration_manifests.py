@@ -271,9 +271,7 @@ def test_every_object_file_is_used_by_a_kustomization():
             used.add((kfile.parent / entry).resolve())
     for path in MANIFESTS.rglob("*.yaml"):
         if path.name != "kustomization.yaml":
-            # the cron's render is created once with kubectl (docs/deploy.md section 8), not applied with -k
-            once = path.name == "ardit-generate-dataset-cron.yaml"
-            assert path.resolve() in used or path.name.endswith(".example.yaml") or once, path
+            assert path.resolve() in used or path.name.endswith(".example.yaml"), path
 
 
 def test_reapplying_the_kustomization_leaves_the_cron_alone(dev):
@@ -363,3 +361,21 @@ def test_private_registry_reaches_every_pod_the_manifests_create(dev, kfp_ns, we
     assert docs.index("kubectl -n $KFP_NS patch serviceaccount default") < docs.index(
         "kubectl -n $KFP_NS create job --from=cronjob/ardit-sweeps-init")
     assert ("$KFP_NS", "default") in patched and ("ardit", "ardit-workflow") in patched
+
+
+def test_documented_sweep_reader_pod_is_restricted_and_sized():
+    """docs/deploy.md section 12 reads the sweep report through a throwaway pod: it must pass the
+    namespace's restricted standard and ask for resources (a namespace quota refuses pods without)."""
+    import json
+
+    import kubernetes_validate
+
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    m = re.search(r"kubectl -n ardit run sweep-reader .*?--overrides='(\{.*?\})'\n", docs, re.S)
+    assert m, "the sweep reader command is gone from docs/deploy.md"
+    spec = json.loads(m.group(1))["spec"]
+    assert restricted_violations(spec) == []
+    (c,) = spec["containers"]
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"] and c["resources"]["limits"]
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sweep-reader"},
+                                  "spec": spec}, "1.30.0", strict=True)
