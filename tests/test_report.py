@@ -124,7 +124,7 @@ def test_worst_label_covers_every_config_shown_under_it(sweep_dir: Path) -> None
                                 f"worst gated {finite[worst_gated]:.2f} dB ({worst_gated})")  # fmt: skip
 
 
-def test_identical_delta_profiles_share_one_legend_entry_beside_the_plot() -> None:
+def test_identical_delta_profiles_share_one_legend_entry_below_the_plot() -> None:
     from components.report.plots import delta_profile_figure
 
     v = [0.01, 0.03, 0.1, 0.2, 0.3]
@@ -141,8 +141,8 @@ def test_identical_delta_profiles_share_one_legend_entry_beside_the_plot() -> No
     ]  # fmt: skip
     assert len(ax.get_lines()) - 2 == 3  # three series (+ the two reference levels)
     box, plot = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
-    assert box.x0 >= plot.x1  # the legend covers no part of the plot
-    assert fig.bbox.contains(box.x1 - 1, box.y0 + 1)  # and is not cut off
+    assert box.y1 <= plot.y0  # the legend covers no part of the plot (below it: the figure is narrow)
+    assert fig.bbox.contains(box.x0 + 1, box.y0 + 1) and fig.bbox.contains(box.x1 - 1, box.y1 - 1)  # not cut off
     markers = {line.get_marker() for line in ax.get_lines()[:3]}
     assert len(markers) == 3
 

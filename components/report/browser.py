@@ -26,13 +26,18 @@ CHROMIUM_FLAGS = [
 _IMAGES_JS = """JSON.stringify({
   images: Array.from(document.images).map(i => ({
     alt: i.alt, complete: i.complete, naturalWidth: i.naturalWidth, naturalHeight: i.naturalHeight,
-    clientWidth: i.clientWidth, cssWidth: Number(i.getAttribute('width')) || null,
-    minFontPx: Number(i.dataset.minFontPx) || null, src: i.currentSrc.slice(0, 40)})),
+    clientWidth: i.clientWidth, clientHeight: i.clientHeight, cssWidth: Number(i.getAttribute('width')) || null,
+    minFontPx: Number(i.dataset.minFontPx) || null, src: i.currentSrc.slice(0, 40),
+    // how much the pixels are magnified as drawn (object-fit: contain letterboxes inside the box)
+    scale: i.naturalWidth ? (getComputedStyle(i).objectFit === 'contain' ? Math.min
+      : Math.max)(i.clientWidth / i.naturalWidth, i.clientHeight / i.naturalHeight) : null})),
   external: Array.from(document.querySelectorAll('[src],[href]'))
     .map(e => e.getAttribute('src') || e.getAttribute('href'))
     .filter(u => /^(https?:)?\\/\\//.test(u)),
   title: document.title,
-  height: Math.ceil(document.documentElement.scrollHeight)
+  height: Math.ceil(document.documentElement.scrollHeight),
+  scrollWidth: Math.ceil(document.documentElement.scrollWidth),
+  viewportWidth: window.innerWidth
 })"""
 
 
@@ -44,6 +49,19 @@ class PageCheck:
     console_errors: list[str] = field(default_factory=list)
     screenshot: bytes = b""
     height: int = 0
+    scroll_width: int = 0  # the page's width; more than viewport_width: it scrolls sideways
+    viewport_width: int = 0
+    probes: dict[str, Any] = field(default_factory=dict)  # name -> value of each probe expression
+
+    @property
+    def scrolls_sideways(self) -> bool:
+        return self.scroll_width > self.viewport_width
+
+    def upscaled_images(self, min_side: int = 0) -> list[dict[str, Any]]:
+        """Images drawn larger than their pixels whose longer side is at least `min_side` px
+        (figures, drawn at 2x their CSS size, are never among them)."""
+        return [i for i in self.images if i.get("scale") and i["scale"] > 1.01
+                and max(i["naturalWidth"], i["naturalHeight"]) >= min_side]
 
     @property
     def broken_images(self) -> list[dict[str, Any]]:
@@ -115,9 +133,12 @@ def _console_errors(events: list[dict[str, Any]]) -> list[str]:
 
 
 def check_page(
-    html_path: str | Path, *, width: int = 1360, timeout: float = 60.0, chromium: str | None = None
+    html_path: str | Path, *, width: int = 1360, timeout: float = 60.0, chromium: str | None = None,
+    probes: dict[str, str] | None = None,
 ) -> PageCheck:
-    """Load `html_path` in headless Chromium; return image states, console errors and a full-page PNG."""
+    """Load `html_path` in headless Chromium at `width` CSS px; return image states, the page's
+    width, console errors, a full-page PNG and the JSON value of each JavaScript `probes`
+    expression (evaluated after the images decoded)."""
     binary = chromium or find_chromium()
     if not binary:
         raise FileNotFoundError("chromium not found (apt-get install chromium)")
@@ -160,6 +181,9 @@ def check_page(
             awaitPromise=True,
         )
         info = json.loads(cdp.call("Runtime.evaluate", expression=_IMAGES_JS, returnByValue=True)["result"]["value"])
+        probed = {name: json.loads(cdp.call("Runtime.evaluate", expression=f"JSON.stringify({expr})",
+                                            returnByValue=True)["result"].get("value", "null"))
+                  for name, expr in (probes or {}).items()}
         height = int(info["height"])
         cdp.call(
             "Emulation.setDeviceMetricsOverride",
@@ -176,6 +200,9 @@ def check_page(
             console_errors=_console_errors(cdp.events),
             screenshot=base64.b64decode(shot["data"]),
             height=height,
+            scroll_width=int(info["scrollWidth"]),
+            viewport_width=int(info["viewportWidth"]),
+            probes=probed,
         )
     finally:
         if cdp is not None:

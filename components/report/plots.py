@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,12 @@ LOSSLESS_BELOW = 200  # small images (shown pixelated, magnified) stay lossless
 CSS_DPI = 100  # a figure inch is this many CSS pixels in the report
 RENDER_SCALE = 2  # figures are drawn at this multiple of their CSS size
 MIN_FONT_PT = 8  # = 11.1 CSS px at the figure's size
+# Figures are this wide (CSS px / CSS_DPI inches): on a 390 px phone their column is ~340 px, where
+# 8 pt text still reads >= 10 px; wider screens show them up to MAX_ZOOM x (drawn at 2x: still sharp).
+FIG_WIDTH_IN = 3.5
+MAX_ZOOM = 1.5
+LABEL_CHARS = 30  # a point's label wraps to lines this long (names of configs at the same point)
+LEGEND_CHARS = 38  # a legend label's line at MIN_FONT_PT fits the figure's width
 
 PASS_COLOR = "#1a7f37"
 FAIL_COLOR = "#cf222e"
@@ -46,6 +53,11 @@ class Plot:
     width: int
     height: int
     min_font_px: float
+
+    @property
+    def max_width(self) -> int:
+        """The widest it is shown (CSS px): MAX_ZOOM x its size."""
+        return round(self.width * MAX_ZOOM)
 
 
 def webp_data_uri(image: Image.Image) -> str:
@@ -78,7 +90,7 @@ def heatmap_image(diff: np.ndarray) -> Image.Image:
 
 
 def colorbar_plot() -> Plot:
-    fig, ax = plt.subplots(figsize=(4.6, 0.62))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 0.62))
     fig.subplots_adjust(left=0.04, right=0.95, bottom=0.5, top=0.95)
     sm = matplotlib.cm.ScalarMappable(norm=_norm(), cmap=HEATMAP_CMAP)
     cb = fig.colorbar(sm, cax=ax, orientation="horizontal")
@@ -146,29 +158,48 @@ def _legend_handle(status: str, reliable: bool = True) -> Any:
 
 
 def place_labels(ax: Any, anchors: list[tuple[float, float, str]], fontsize: float) -> list[Any]:
-    """Annotate each (x, y, text) beside its point, moving a label up or down past labels already
-    placed (and inside the axes) so no two overlap. Returns the annotations."""
+    """Annotate each (x, y, text) beside its point (right of it, or left where the axes end),
+    moving a label up or down past labels already placed (and inside the axes) so no two overlap.
+    Returns the annotations."""
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
     placed: list[Any] = []
     boxes: list[Any] = []
     axes_box = ax.get_window_extent(renderer)
+
+    fig_box = fig.bbox
+
+    def annotate(text: str, x: float, y: float, dy: float) -> tuple[Any, Any]:
+        """Right of the point; left of it where that runs off the axes; centred on it where
+        neither fits the figure."""
+        for dx, ha in ((8, "left"), (-8, "right"), (0, "center")):
+            ann = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=fontsize,
+                              color="#24292f", va="bottom", ha=ha)  # fmt: skip
+            box = ann.get_window_extent(renderer)
+            if ha == "center" or (box.x1 <= axes_box.x1 if ha == "left" else box.x0 >= fig_box.x0):
+                break
+            ann.remove()
+        return ann, box
+
     for x, y, text in sorted(anchors, key=lambda a: (a[1], a[0])):
         for step in [0, 1, -1, 2, -2, 3, -3, 4, -4, 5, -5, 6, -6, 7, -7, 8, -8]:
-            ann = ax.annotate(text, (x, y), textcoords="offset points", xytext=(8, 3 + step * fontsize * 1.25),
-                              fontsize=fontsize, color="#24292f", va="bottom")  # fmt: skip
-            box = ann.get_window_extent(renderer)
+            ann, box = annotate(text, x, y, 3 + step * fontsize * 1.25)
             inside = box.y0 >= axes_box.y0 and box.y1 <= axes_box.y1
             if inside and not any(box.overlaps(b) for b in boxes):
                 break
             ann.remove()
         else:  # no free slot: keep the first one (an overlap beats a missing label)
-            ann = ax.annotate(text, (x, y), textcoords="offset points", xytext=(8, 3), fontsize=fontsize,
-                              color="#24292f", va="bottom")  # fmt: skip
-            box = ann.get_window_extent(renderer)
+            ann, box = annotate(text, x, y, 3)
         placed.append(ann)
         boxes.append(box)
     return placed
+
+
+def point_label(names: list[str]) -> str:
+    """The label of configs drawn at one point: up to three names (the table lists them all),
+    wrapped to the narrow figure."""
+    shown = names if len(names) <= 3 else [*names[:2], f"+{len(names) - 2} more"]
+    return textwrap.fill(", ".join(shown), LABEL_CHARS, break_on_hyphens=False)
 
 
 def speed_fidelity_figure(points: list[dict[str, Any]], psnr_min: float | None) -> Any | None:
@@ -182,7 +213,7 @@ def speed_fidelity_figure(points: list[dict[str, Any]], psnr_min: float | None) 
         return None
     finite = [p["psnr"] for p in pts if math.isfinite(p["psnr"])]
     top = (max(finite + ([psnr_min] if psnr_min else [])) + 6) if finite else (psnr_min or 40) + 10
-    fig, ax = plt.subplots(figsize=(6.2, 4.3))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 4.0))
     _style(ax)
     ax.axhline(top, color="#8c959f", linestyle=":", linewidth=1)
     if psnr_min is not None:
@@ -209,7 +240,7 @@ def speed_fidelity_figure(points: list[dict[str, Any]], psnr_min: float | None) 
     ax.set_ylim(low, top + 3)
     ticks = [t for t in ax.get_yticks() if low <= t <= top - 3]
     ax.set_yticks([*ticks, top], [f"{t:g}" for t in ticks] + ["∞"])  # identical configs sit on the ∞ line
-    ax.set_xlabel("time per image (s; median, bars: sample range)", fontsize=MIN_FONT_PT + 1, color="#24292f")
+    ax.set_xlabel("time per image (s, median;\nbars: sample range)", fontsize=MIN_FONT_PT + 1, color="#24292f")
     ax.set_ylabel("PSNR vs reference (dB, mean)", fontsize=MIN_FONT_PT + 1, color="#24292f")
     statuses = [s for s in STATUS_MARKERS if any(p["status"] == s for p in pts)]
     handles = [_legend_handle(s) for s in statuses]
@@ -218,13 +249,13 @@ def speed_fidelity_figure(points: list[dict[str, Any]], psnr_min: float | None) 
     if noisy:
         handles.append(_legend_handle(noisy[0]["status"], reliable=False))
         words.append("hollow: time within noise")
-    ax.legend(handles, words, fontsize=MIN_FONT_PT, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.2),
-              ncol=len(handles), handletextpad=0.3, columnspacing=1.0)  # fmt: skip
+    ax.legend(handles, words, fontsize=MIN_FONT_PT, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.3),
+              ncol=min(3, len(handles)), handletextpad=0.3, columnspacing=1.0)  # fmt: skip
     if noisy and len(noisy) == len([p for p in pts if p["status"] != "REF"]):
-        ax.set_title("no speed difference is beyond the timing noise (add timing.repeats)", fontsize=MIN_FONT_PT,
+        ax.set_title("no speed difference is beyond the\ntiming noise (add timing.repeats)", fontsize=MIN_FONT_PT,
                      color="#9a6700")  # fmt: skip
     fig.tight_layout()
-    place_labels(ax, [(x, y, ", ".join(names)) for (x, y), names in labels.items()], MIN_FONT_PT)
+    place_labels(ax, [(x, y, point_label(names)) for (x, y), names in labels.items()], MIN_FONT_PT)
     return fig
 
 
@@ -251,22 +282,23 @@ def _merge_identical(profiles: list[dict[str, Any]]) -> list[tuple[list[str], li
 def delta_profile_figure(profiles: list[dict[str, Any]]) -> Any | None:
     """|Δ| at p50 / p90 / p99 / p99.9 / max (worst row) per config, log scale. Identical profiles
     share one series; each series has its own marker, dash and a small sideways offset, and the
-    legend sits beside the plot, never over a line."""
+    legend sits below the plot, never over a line."""
     profiles = [p for p in profiles if p.get("values")]
     if not profiles:
         return None
     series = _merge_identical(profiles)
-    fig, ax = plt.subplots(figsize=(6.2, 4.3))
+    # the legend sits below the plot, each label wrapped to the figure's width
+    labels = [textwrap.fill(" = ".join(names) + (" (|Δ| = 0)" if all(v == 0 for v in values if v is not None) else ""),
+                            LEGEND_CHARS, break_on_hyphens=False) for names, values in series]
+    legend_lines = sum(label.count("\n") + 1 for label in labels)
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 3.0 + 0.155 * legend_lines))
     _style(ax)
     floor = 1 / 2550
     palette = plt.get_cmap("tab10")
     n = len(series)
-    for i, (names, values) in enumerate(series):
+    for i, ((names, values), label) in enumerate(zip(series, labels)):
         vals = [max(floor, v if v is not None else floor) for v in values]
         offset = (i - (n - 1) / 2) * min(0.08, 0.5 / n)
-        label = " = ".join(names)
-        if all(v == 0 for v in values if v is not None):
-            label += " (|Δ| = 0)"
         ax.plot([x + offset for x in range(len(vals))], vals, marker=_MARKERS[i % len(_MARKERS)], markersize=4.5,
                 linestyle=_LINESTYLES[(i // len(_MARKERS)) % len(_LINESTYLES)],
                 linewidth=1.5, color=palette(i % 10), alpha=0.9, label=label)  # fmt: skip
@@ -278,7 +310,7 @@ def delta_profile_figure(profiles: list[dict[str, Any]]) -> Any | None:
     ax.set_yscale("log")
     ax.set_ylim(floor * 0.8, 1.2)
     ax.set_ylabel("|Δ| (pixels in [0, 1], worst row)", fontsize=MIN_FONT_PT + 1, color="#24292f")
-    ax.legend(fontsize=MIN_FONT_PT, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.legend(fontsize=MIN_FONT_PT, frameon=False, loc="upper left", bbox_to_anchor=(0.0, -0.1), borderaxespad=0)
     fig.tight_layout()
     return fig
 

@@ -15,7 +15,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import pyarrow.parquet as pq
 from PIL import Image
 
@@ -30,6 +29,7 @@ from components.evaluate.metrics import (
 )
 from components.evaluate.runio import _num, load_run_inputs, load_run_rows, storage_name
 from components.report import plots
+from components.report.text import environment
 from components.sweep.timing import NO_ESTIMATE, noise_line, pct
 from components.report.template import TEMPLATE
 
@@ -531,8 +531,7 @@ def _extra(rec: dict[str, Any]) -> str:
 
 
 def render_report(sweep_dir: str | Path, max_rows: int = 24, report_dir: Path | None = None) -> str:
-    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    return env.from_string(TEMPLATE).render(**build_context(Path(sweep_dir), max_rows, report_dir))
+    return environment().from_string(TEMPLATE).render(**build_context(Path(sweep_dir), max_rows, report_dir))
 
 
 def write_report(sweep_dir: str | Path, out: str | Path | None = None, *, max_rows: int = 24) -> Path:

@@ -14,7 +14,7 @@ TEMPLATE = r"""<!DOCTYPE html>
   --info: #0969da; --info-bg: #ddf4ff; --ref: #59636e; --ref-bg: #eff2f5;
 }
 * { box-sizing: border-box; }
-body { margin: 0; background: #f3f5f8; color: var(--fg);
+body { margin: 0; background: #f3f5f8; color: var(--fg); overflow-wrap: break-word;
   font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; }
 main { max-width: 1400px; margin: 0 auto; padding: 28px 28px 60px; }
 header.top { display: flex; align-items: flex-start; justify-content: space-between; gap: 24px;
@@ -34,19 +34,20 @@ h3 { font-size: 14px; margin: 0; }
 .panel { background: var(--card); border: 1px solid var(--line); border-radius: 12px; padding: 16px 18px; }
 .scroll { overflow-x: auto; }
 table { border-collapse: collapse; width: 100%; font-size: 12.5px; }
-th, td { padding: 6px 8px; border-bottom: 1px solid #e6eaef; text-align: right; white-space: nowrap; }
-th { font-size: 11.5px; text-transform: uppercase; letter-spacing: .03em; color: var(--muted);
+th, td { padding: 6px 6px; border-bottom: 1px solid #e6eaef; text-align: right; white-space: nowrap; }
+/* headers wrap (MEAN |Δ| MAX on two lines), so all 13 columns fit a 1360 px page */
+th { white-space: normal; vertical-align: bottom; font-size: 11.5px; text-transform: uppercase; letter-spacing: .03em; color: var(--muted);
   font-weight: 600; background: var(--soft); }
 th:first-child, td:first-child, td.l, th.l { text-align: left; }
 tbody tr:hover { background: #fafbfc; }
 td.good { color: var(--pass); }
-td.wrap { white-space: normal; min-width: 86px; }
+td.wrap { white-space: normal; min-width: 80px; }
 td.noisy { color: #8c959f; font-style: italic; }
 .timing { font-size: 12.5px; color: var(--muted); margin: 10px 2px 0; }
 .timing.warn { color: #9a6700; background: #fff8c5; border-radius: 6px; padding: 6px 10px; }
 td.bad { color: var(--fail); background: var(--fail-bg); font-weight: 600; }
-td.name { font-weight: 600; font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 12.5px; }
-td.varied { color: var(--muted); white-space: normal; min-width: 150px; max-width: 240px; text-align: left; font-size: 12px; }
+td.name { white-space: normal; overflow-wrap: anywhere; min-width: 110px; max-width: 190px; font-weight: 600; font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 12.5px; }
+td.varied { color: var(--muted); white-space: normal; overflow-wrap: anywhere; min-width: 130px; max-width: 200px; text-align: left; font-size: 12px; }
 td.varied .role { display: block; font-size: 11px; color: #8c959f; }
 td.measure { white-space: normal; min-width: 220px; text-align: left; }
 .badge { display: inline-block; font-size: 11px; font-weight: 700; padding: 2px 8px; border-radius: 999px;
@@ -61,9 +62,10 @@ ul.fails { margin: 12px 0 0; padding: 10px 14px 10px 30px; background: var(--fai
   color: #82071e; font-size: 12.5px; }
 ul.fails li { margin: 2px 0; }
 .gates { font-size: 12.5px; color: var(--muted); margin: 10px 2px 0; }
-.plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(420px, 1fr)); gap: 16px; }
-.plots figure { margin: 0; }
-.plots img { max-width: 100%; height: auto; display: block; margin: 0 auto; }
+.plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(420px, 100%), 1fr)); gap: 16px; }
+.plots figure { margin: 0; min-width: 0; }
+/* figures are narrow enough for a phone; wider screens zoom them up to their max-width (MAX_ZOOM) */
+.plots img { width: 100%; height: auto; display: block; margin: 0 auto; }
 figcaption { font-size: 12px; color: var(--muted); margin-top: 6px; }
 .bnote { display: block; color: var(--muted); font-weight: 400; font-size: 11.5px; max-width: 360px; }
 .rowcard { background: var(--card); border: 1px solid var(--line); border-radius: 12px; padding: 14px 16px;
@@ -89,7 +91,7 @@ details { margin-top: 8px; font-size: 12.5px; }
 details summary { cursor: pointer; color: var(--muted); }
 details pre { white-space: pre-wrap; background: var(--soft); padding: 10px; border-radius: 8px; font-size: 12px;
   max-height: 220px; overflow: auto; }
-.legend { display: flex; align-items: center; gap: 14px; margin: 0 0 12px; font-size: 12px; color: var(--muted); }
+.legend { display: flex; flex-wrap: wrap; align-items: center; gap: 6px 14px; margin: 0 0 12px; font-size: 12px; color: var(--muted); }
 .legend img { max-width: 100%; height: auto; }
 .ask { font-size: 13px; margin: 0 0 10px; white-space: pre-wrap; overflow-wrap: anywhere; }
 .ask b { color: var(--muted); font-weight: 600; margin-right: 6px; }
@@ -97,10 +99,22 @@ details pre { white-space: pre-wrap; background: var(--soft); padding: 10px; bor
 .cell .m.fails { color: var(--fail); font-weight: 600; }
 .cell a { display: block; }
 details.spec pre { max-height: 420px; }
-dl.defs { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; font-size: 12.5px; color: var(--muted); }
+dl.defs { display: grid; grid-template-columns: max-content minmax(0, 1fr); gap: 4px 16px; font-size: 12.5px; color: var(--muted); }
 dl.defs dt { font-weight: 600; color: var(--fg); }
-dl.defs dd { margin: 0; }
+dl.defs dd { margin: 0; overflow-wrap: anywhere; }
 footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
+{{ clamp_css }}
+@media (max-width: 640px) {
+  main { padding: 14px 10px 40px; }
+  header.top { flex-direction: column; gap: 12px; padding: 16px; }
+  .panel, .rowcard { padding: 12px; }
+  h1 { font-size: 19px; }
+  dl.defs { grid-template-columns: minmax(0, 1fr); }
+  dl.defs dd { margin-bottom: 6px; }
+  /* the image strip wraps instead of scrolling */
+  .strip { grid-template-columns: repeat(auto-fill, minmax(100px, 1fr)); overflow-x: visible; }
+  .cell .title { flex-wrap: wrap; overflow-wrap: anywhere; }
+}
 </style>
 </head>
 <body>
@@ -162,8 +176,8 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
 
 <h2>Speed and fidelity</h2>
 <div class="plots">
-  {% if speed_plot %}<figure class="panel"><img src="{{ speed_plot.uri }}" width="{{ speed_plot.width }}" height="{{ speed_plot.height }}" data-min-font-px="{{ speed_plot.min_font_px }}" alt="speed vs fidelity plot"><figcaption>Each point is a config: median time per image over its timing samples (bars: fastest to slowest sample) against mean PSNR vs the reference. Shape and colour give the verdict: ★ reference, ● pass, ✖ fail, ■ not gated; a hollow marker's time is within the timing noise (no speed difference shown). {{ timing_line }}</figcaption></figure>{% endif %}
-  {% if delta_plot %}<figure class="panel"><img src="{{ delta_plot.uri }}" width="{{ delta_plot.width }}" height="{{ delta_plot.height }}" data-min-font-px="{{ delta_plot.min_font_px }}" alt="|Δ| percentile profile"><figcaption>|Δ| percentiles of the worst row per config (log scale; exact zeros drawn at the floor). Configs with the same profile share one line, named together in the legend.</figcaption></figure>{% endif %}
+  {% if speed_plot %}<figure class="panel"><img src="{{ speed_plot.uri }}" width="{{ speed_plot.width }}" height="{{ speed_plot.height }}" style="max-width: {{ speed_plot.max_width }}px" data-min-font-px="{{ speed_plot.min_font_px }}" alt="speed vs fidelity plot"><figcaption>Each point is a config: median time per image over its timing samples (bars: fastest to slowest sample) against mean PSNR vs the reference. Shape and colour give the verdict: ★ reference, ● pass, ✖ fail, ■ not gated; a hollow marker's time is within the timing noise (no speed difference shown). {{ timing_line }}</figcaption></figure>{% endif %}
+  {% if delta_plot %}<figure class="panel"><img src="{{ delta_plot.uri }}" width="{{ delta_plot.width }}" height="{{ delta_plot.height }}" style="max-width: {{ delta_plot.max_width }}px" data-min-font-px="{{ delta_plot.min_font_px }}" alt="|Δ| percentile profile"><figcaption>|Δ| percentiles of the worst row per config (log scale; exact zeros drawn at the floor). Configs with the same profile share one line, named together in the legend.</figcaption></figure>{% endif %}
 </div>
 
 <h2>Precision budget</h2>
@@ -202,7 +216,7 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
     <span class="sub">worst: {{ r.worst }}</span>
     {% if r.prompt %}<span class="sub">prompt: {{ r.prompt }}</span>{% endif %}
   </div>
-  {% if r.instruction %}<div class="ask"><b>{{ r.instruction_label }}</b>{{ r.instruction }}</div>{% endif %}
+  {% if r.instruction %}<div class="ask"><b>{{ r.instruction_label }}</b>{{ r.instruction|clamp }}</div>{% endif %}
   <div class="strip">
     {% if has_inputs %}
     <div class="cell input">
