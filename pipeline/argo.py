@@ -74,11 +74,13 @@ def _pool(step: str, s: ClusterSettings) -> Pool:
     return {"ar": s.ar_pool, "dit": s.dit_pool, "sweep": s.dit_pool}.get(step, s.tools_pool)
 
 
-def container_security_context() -> Any:
-    """The "restricted" Pod Security Standard, container part."""
+def container_security_context(ipc_lock: bool = False) -> Any:
+    """The "restricted" Pod Security Standard, container part; ``ipc_lock``: plus IPC_LOCK (RDMA
+    memory registration), which only a namespace enforcing "privileged" admits (manifests/rdma)."""
     from hera.workflows import models as m
 
-    return m.SecurityContext(allow_privilege_escalation=False, capabilities=m.Capabilities(drop=["ALL"]),
+    return m.SecurityContext(allow_privilege_escalation=False,
+                             capabilities=m.Capabilities(drop=["ALL"], add=["IPC_LOCK"] if ipc_lock else None),
                              run_as_non_root=True)
 
 
@@ -121,6 +123,7 @@ def _step(step: str, s: ClusterSettings, with_weights: bool = False, volume_moun
         volumes.append(ExistingVolume(name="weights", claim_name=_inputs("weights_pvc"), mount_path=WEIGHTS_MOUNT,
                                       read_only=True))
     retry = s.retry_policy(step)
+    rdma = gpu and bool(s.rdma_resource)
     return Container(
         name=step + (WEIGHTS_SUFFIX if with_weights else ""),
         image=s.gpu_image if STEP_IMAGE[step] == "gpu" else s.tools_image,
@@ -128,7 +131,9 @@ def _step(step: str, s: ClusterSettings, with_weights: bool = False, volume_moun
         args=step_args(step, **values),
         inputs=[Parameter(name=n) for n in inputs],
         resources=Resources(cpu_request=pool.cpu, memory_request=pool.memory, memory_limit=pool.memory,
-                            gpus=1 if gpu else None),
+                            gpus=1 if gpu else None,
+                            custom_resources={"requests": {s.rdma_resource: "1"}, "limits": {s.rdma_resource: "1"}}
+                            if rdma else None),
         pod_spec_patch=_gpu_count_patch(step) if gpu else None,
         node_selector=pool.node_selector or None,
         tolerations=[m.Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect)
@@ -138,7 +143,7 @@ def _step(step: str, s: ClusterSettings, with_weights: bool = False, volume_moun
         env_from=[ConfigMapEnvFrom(name=s.endpoints_config_map, optional=True)],
         volumes=volumes or None,
         volume_mounts=volume_mounts,
-        security_context=container_security_context(),
+        security_context=container_security_context(ipc_lock=rdma),
         # Per attempt: a hung step is killed and retried instead of blocking the run (and the cron).
         active_deadline_seconds=s.deadline(step),
         # Steps skip committed work, so a retry resumes rather than redoes.

@@ -45,6 +45,11 @@ def _settings(path: Path | None, images: Path | None = None, need_images: str = 
             s = s.with_images(read_kustomize_images(images))
     except (ValueError, TypeError, KeyError) as e:
         raise typer.BadParameter(str(e), param_hint="--settings/--images") from e
+    if need_images.startswith("KFP") and s.rdma_resource:
+        raise typer.BadParameter(
+            f"rdma_resource={s.rdma_resource!r}: KFP cannot give its task pods IPC_LOCK, which RDMA registration "
+            "needs: use Argo for RDMA (docs/deploy.md section 11), or leave rdma_resource out for KFP",
+            param_hint="--settings")
     if need_images and (bare := unresolved_images(s)):
         raise typer.BadParameter(
             f"{need_images} needs pullable images, got {', '.join(bare)}: pass --images "

@@ -274,6 +274,11 @@ class ClusterSettings:
     cron_arguments: dict[str, str] = field(default_factory=dict)
     # Shipped suspended: resume once the dataset exists (docs/deploy.md).
     cron_suspended: bool = True
+    # RDMA for the KV cache (docs/deploy.md section 11): the RDMA device plugin's resource, e.g.
+    # "rdma/hca_shared_devices_a". Set, each GPU step pod (AR, DiT, sweep; never shard or summary)
+    # asks for one and gets IPC_LOCK for memory registration, which the namespace must allow
+    # (manifests/rdma). Argo only: KFP cannot add a capability to its task pods.
+    rdma_resource: str = ""
 
     def __post_init__(self) -> None:
         unknown = set(self.step_deadline_seconds) - set(STEP_MODULES)

@@ -379,3 +379,63 @@ def test_documented_sweep_reader_pod_is_restricted_and_sized():
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"] and c["resources"]["limits"]
     kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sweep-reader"},
                                   "spec": spec}, "1.30.0", strict=True)
+
+
+RDMA_RESOURCE = "rdma/hca_shared_devices_a"
+
+
+def test_rdma_path_scopes_ipc_lock_to_the_kv_pods_and_survives_reapply(tmp_path):
+    """docs/deploy.md section 11 as one path: the overlay includes manifests/rdma and the Argo
+    templates are rendered with `rdma_resource`. Then the namespace enforces privileged from the
+    manifests (re-applying keeps it), and exactly the holders and the GPU step pods get the RDMA
+    resource and IPC_LOCK; shard, summary, the servers and the KV gc still meet restricted."""
+    from pipeline.argo import write_all
+    from pipeline.cluster import ClusterSettings
+
+    manifests = tmp_path / "manifests"
+    shutil.copytree(MANIFESTS, manifests)
+    write_all(manifests / "base" / "argo", ClusterSettings(rdma_resource=RDMA_RESOURCE), cron=False)
+    overlay = manifests / "overlays" / "dev" / "kustomization.yaml"
+    k = yaml.safe_load(overlay.read_text())
+    k["components"].append("../../rdma")
+    overlay.write_text(yaml.safe_dump(k))
+    docs = kustomize(manifests / "overlays" / "dev")
+
+    labels = _by(docs, "Namespace")["ardit"]["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert labels["pod-security.kubernetes.io/warn"] == labels["pod-security.kubernetes.io/audit"] == "restricted"
+    kv_pods = {"StatefulSet/mooncake-segments"} | {
+        f"WorkflowTemplate/{t}/{step}{sfx}" for t in ("ardit-batch-edit", "ardit-generate-dataset")
+        for step in ("ar", "dit") for sfx in ("", "-weights")} | {
+        f"WorkflowTemplate/ardit-accuracy-sweep/sweep{sfx}" for sfx in ("", "-weights")}
+    pods = pod_specs(docs)
+    assert kv_pods <= set(pods)
+    for name, pod in pods.items():
+        (c,) = pod["containers"]
+        resources = {**c.get("resources", {}).get("requests", {}), **c.get("resources", {}).get("limits", {})}
+        if name in kv_pods:
+            assert restricted_violations(pod) == [f"container {c.get('name', 'main')}: adds capabilities ['IPC_LOCK']"], name
+            assert c["resources"]["requests"][RDMA_RESOURCE] == c["resources"]["limits"][RDMA_RESOURCE] == "1"
+        else:
+            assert restricted_violations(pod) == [], name
+            assert RDMA_RESOURCE not in resources, name
+    # the same kustomization without the component stays restricted (the default path)
+    assert restricted_violations(pod_specs(kustomize(MANIFESTS / "overlays" / "dev"))["StatefulSet/mooncake-segments"]) == []
+    # the documented path: the component in the overlay and the setting; no controller-wide defaults
+    section = (REPO / "docs" / "deploy.md").read_text().split("## 11. RDMA")[1].split("## 12.")[0]
+    assert "- ../../rdma" in section and f"rdma_resource: {RDMA_RESOURCE}" in section
+    assert "workflowDefaults" not in section and "kubectl label" not in section.replace("a manual\n`kubectl label`", "")
+    assert RDMA_RESOURCE in (MANIFESTS / "rdma" / "segments-rdma.yaml").read_text()
+
+
+def test_kfp_refuses_rdma_settings(tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeline.cli_orchestration import app
+
+    settings = tmp_path / "cluster.yaml"
+    settings.write_text(f"rdma_resource: {RDMA_RESOURCE}\n")
+    result = CliRunner().invoke(app, ["compile", "--out", str(tmp_path / "out"), "--engine", "kfp",
+                                      "--settings", str(settings)])
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())  # rich's error box, unwrapped
+    assert result.exit_code == 2 and "KFP cannot give its task pods IPC_LOCK" in text, text
