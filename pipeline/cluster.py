@@ -157,17 +157,21 @@ DEFAULT_NO_RETRY_EXIT_CODES = (2,)
 
 
 def step_command(step: str, *, weights_pvc: Any = None, retry: RetryPolicy | None = None,
-                 attempt_timeout: int = 0) -> list[str]:
+                 attempt_timeout: int = 0, not_after: Any = None) -> list[str]:
     """The container command of a step: the launcher, then ``python -m <step module>``.
 
     ``weights_pvc`` (a value or an engine placeholder) turns on the launcher's model / PVC check;
-    ``retry`` makes the launcher retry inside the pod (KFP; Argo retries pods itself).
+    ``retry`` makes the launcher retry inside the pod (KFP; Argo retries pods itself);
+    ``not_after`` (a placeholder; empty at run time: none) is the whole-run deadline of a scheduled
+    KFP run, which KFP cannot set on a run (Argo's cron has its workflow deadline).
     """
     options: list[Any] = []
     if weights_pvc is not None:
         options += ["--weights-pvc", weights_pvc]
     if retry is not None:
         options += retry.launcher_args(attempt_timeout)
+    if not_after is not None:
+        options += ["--not-after", not_after]
     return [*LAUNCHER, *options, "--", "python", "-m", STEP_MODULES[step]]
 
 

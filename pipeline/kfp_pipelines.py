@@ -44,15 +44,19 @@ PIPELINES = ("batch_edit", "generate_dataset", "accuracy_sweep")
 SCHEDULED_PIPELINE = "generate_dataset_scheduled"
 
 # Turns the schedule time KFP hands a recurring run (RFC 3339) into the run id the Argo cron uses
-# for the same slot: scheduled-20261122T020000Z. A run that was not scheduled has no such time.
+# for the same slot (scheduled-20261122T020000Z), and into the run's deadline (Unix time: the slot
+# plus argv[3] seconds, cron_deadline_seconds), which every step's launcher enforces (--not-after):
+# KFP has no whole-run deadline. A run that was not scheduled has no such time.
 _SCHEDULED_RUN_ID = (
-    "import re,sys\n"
+    "import datetime,re,sys\n"
     "t = sys.argv[1].strip()\n"
     "if not t or t.startswith('{{'):\n"
     "    print('error: not a scheduled run (no schedule time): start generate_dataset with a run_id instead',"
     " file=sys.stderr)\n"
     "    sys.exit(2)\n"
     "open(sys.argv[2], 'w').write('scheduled-' + re.sub('[^0-9A-Za-z]', '', t))\n"
+    "slot = datetime.datetime.fromisoformat(t.replace('Z', '+00:00')).timestamp()\n"
+    "open(sys.argv[4], 'w').write(str(int(slot) + int(sys.argv[3])))\n"
 )
 
 
@@ -60,9 +64,9 @@ def _pool(step: str, s: ClusterSettings) -> Pool:
     return {"ar": s.ar_pool, "dit": s.dit_pool, "sweep": s.dit_pool}.get(step, s.tools_pool)
 
 
-def _command(step: str, s: ClusterSettings, weights_pvc: Any = None) -> list:
+def _command(step: str, s: ClusterSettings, weights_pvc: Any = None, not_after: Any = None) -> list:
     return step_command(step, weights_pvc=weights_pvc if step in MODEL_STEPS else None,
-                        retry=s.retry_policy(step), attempt_timeout=s.deadline(step))
+                        retry=s.retry_policy(step), attempt_timeout=s.deadline(step), not_after=not_after)
 
 
 def _components(s: ClusterSettings) -> dict[str, Any]:
@@ -86,39 +90,40 @@ def _components(s: ClusterSettings) -> dict[str, Any]:
                                  args=[tensor_parallel_size, pipeline_parallel_size, gpus])
 
     @dsl.container_component
-    def scheduled_run_id(schedule_time: str, run_id: dsl.OutputPath(str)):
+    def scheduled_run_id(schedule_time: str, run_id: dsl.OutputPath(str), not_after: dsl.OutputPath(str)):
         return dsl.ContainerSpec(image=s.tools_image, command=["python", "-c", _SCHEDULED_RUN_ID],
-                                 args=[schedule_time, run_id])
+                                 args=[schedule_time, run_id, str(s.cron_deadline_seconds), not_after])
 
     @dsl.container_component
-    def shard(dataset: str, output: str, run_id: str, num_shards: int, kind: str, model: str, weights_pvc: str):
+    def shard(dataset: str, output: str, run_id: str, num_shards: int, kind: str, model: str, weights_pvc: str,
+              not_after: str):
         args = step_args("shard", dataset=dataset, output=output, run_id=run_id, num_shards=num_shards, kind=kind,
                          model=model)
-        return dsl.ContainerSpec(image=image("shard"), command=_command("shard", s, weights_pvc), args=args)
+        return dsl.ContainerSpec(image=image("shard"), command=_command("shard", s, weights_pvc, not_after), args=args)
 
     @dsl.container_component
     def ar(output: str, run_id: str, shard: int, model: str, weights_pvc: str, tensor_parallel_size: int,
            pipeline_parallel_size: int, gpus: int, quantization: str, kv_store: str, bot_task: str,
-           batch_invariant: str):
+           batch_invariant: str, not_after: str):
         args = step_args("ar", output=output, run_id=run_id, shard=shard, model=model,
                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                          quantization=quantization, kv_store=kv_store, bot_task=bot_task,
                          batch_invariant=batch_invariant)
-        return dsl.ContainerSpec(image=image("ar"), command=_command("ar", s, weights_pvc), args=args)
+        return dsl.ContainerSpec(image=image("ar"), command=_command("ar", s, weights_pvc, not_after), args=args)
 
     @dsl.container_component
     def dit(output: str, run_id: str, shard: int, model: str, weights_pvc: str, tensor_parallel_size: int,
             pipeline_parallel_size: int, gpus: int, quantization: str, kv_store: str, steps: str, guidance: str,
-            step_cache: str):
+            step_cache: str, not_after: str):
         args = step_args("dit", output=output, run_id=run_id, shard=shard, model=model,
                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                          quantization=quantization, kv_store=kv_store, steps=steps, guidance=guidance,
                          step_cache=step_cache)
-        return dsl.ContainerSpec(image=image("dit"), command=_command("dit", s, weights_pvc), args=args)
+        return dsl.ContainerSpec(image=image("dit"), command=_command("dit", s, weights_pvc, not_after), args=args)
 
     @dsl.container_component
-    def summary(output: str, run_id: str):
-        return dsl.ContainerSpec(image=image("summary"), command=_command("summary", s),
+    def summary(output: str, run_id: str, not_after: str):
+        return dsl.ContainerSpec(image=image("summary"), command=_command("summary", s, not_after=not_after),
                                  args=step_args("summary", output=output, run_id=run_id))
 
     @dsl.container_component
@@ -174,12 +179,14 @@ def _shard_ar_dit_summary(c: dict[str, Any], s: ClusterSettings, kind: str, p: d
                           weights_pvc: Any) -> None:
     """The DAG both batch pipelines share (called inside a @dsl.pipeline body); ``p``: pipeline inputs.
 
-    ``weights_pvc``: the PVC channel to mount on the model steps, or None for no PVC."""
+    ``weights_pvc``: the PVC channel to mount on the model steps, or None for no PVC. ``p["not_after"]``
+    (scheduled runs): the run's deadline, which every step's launcher enforces; "" otherwise."""
     from kfp import dsl
 
+    not_after = p.get("not_after", "")
     sharded = _place(c["shard"](dataset=p["dataset"], output=p["output"], run_id=p["run_id"],
                                 num_shards=p["num_shards"], kind=kind, model=p["model"],
-                                weights_pvc=p["weights_pvc"]),
+                                weights_pvc=p["weights_pvc"], not_after=not_after),
                      "shard", s, weights_pvc=weights_pvc).set_display_name("shard")
     indices = _place(c["shard_indices"](num_shards=p["num_shards"]), None, s).set_display_name("shard-indices")
     gpus = _place(c["gpus_per_model"](tensor_parallel_size=p["tensor_parallel_size"],
@@ -188,7 +195,8 @@ def _shard_ar_dit_summary(c: dict[str, Any], s: ClusterSettings, kind: str, p: d
     # `gpus` is also an input of the AR / DiT tasks (their command does not use it), so KFP brings it
     # into the loop, where the accelerator count can refer to it
     common = {k: p[k] for k in ("output", "run_id", "model", "weights_pvc", "tensor_parallel_size",
-                                "pipeline_parallel_size", "quantization", "kv_store")} | {"gpus": gpus}
+                                "pipeline_parallel_size", "quantization", "kv_store")} | {"gpus": gpus,
+                                                                                          "not_after": not_after}
     # the fan-out over shards is the data parallelism of a cluster run: one pod per shard step
     with dsl.ParallelFor(items=indices.outputs["indices"], parallelism=s.max_parallel_shards) as k:
         ar = _place(c["ar"](shard=k, bot_task=p["bot_task"], batch_invariant=p["batch_invariant"], **common), "ar", s,
@@ -196,7 +204,7 @@ def _shard_ar_dit_summary(c: dict[str, Any], s: ClusterSettings, kind: str, p: d
         dit = _place(c["dit"](shard=k, steps=p["steps"], guidance=p["guidance"], step_cache=p["step_cache"],
                               **common), "dit", s, weights_pvc=weights_pvc, gpus=gpus) \
             .set_display_name("dit").after(ar)
-    _place(c["summary"](output=p["output"], run_id=p["run_id"]), "summary", s) \
+    _place(c["summary"](output=p["output"], run_id=p["run_id"], not_after=not_after), "summary", s) \
         .set_display_name("summary").after(dit)
 
 
@@ -243,7 +251,8 @@ def build_pipelines(settings: ClusterSettings | None = None) -> dict[str, Callab
         p = dict(locals())
         run_id = _place(c["scheduled_run_id"](schedule_time=dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER), None, s)
         run_id.set_display_name("run-id")
-        _both_variants(c, s, "generate", p | {"run_id": run_id.outputs["run_id"]})
+        _both_variants(c, s, "generate", p | {"run_id": run_id.outputs["run_id"],
+                                              "not_after": run_id.outputs["not_after"]})
 
     @dsl.pipeline(name="ardit-accuracy-sweep",
                   description="Run an accuracy sweep (spec from a ConfigMap, results on the sweeps PVC)")

@@ -12,7 +12,9 @@ real command line, then runs it:
    tiny preset never go together), exiting 2 with one line when they do not match;
 4. with ``--retries N`` (KFP, which cannot skip exit codes), runs the step up to N more times with
    exponential backoff, except on the ``--no-retry-exit-codes``; each attempt is killed after
-   ``--attempt-timeout`` seconds. Without retries it replaces itself with the step (Argo retries pods).
+   ``--attempt-timeout`` seconds. Without retries it replaces itself with the step (Argo retries pods);
+5. with ``--not-after T`` (a scheduled KFP run's whole-run deadline, Unix time; empty: none),
+   starts no attempt after T and stops a running one at T (exit 124), retries or not.
 
 Exit status: the step's, or 2 for a launcher usage error, or 128 + N when the step died of signal N.
 Standard library only, plus pipeline.cluster for the model/PVC rule.
@@ -83,6 +85,7 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--backoff-max", type=float, default=600.0)
     p.add_argument("--no-retry-exit-codes", default="2", help="comma-separated exit codes never retried")
     p.add_argument("--attempt-timeout", type=float, default=0, help="seconds per attempt (0: none)")
+    p.add_argument("--not-after", default="", help="Unix time after which no attempt runs (empty: none)")
     opts = p.parse_args(argv[:split])
     command = list(argv[split + 1:])
     if not command:
@@ -134,15 +137,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
     never = {int(c) for c in opts.no_retry_exit_codes.split(",") if c.strip()}
-    if opts.retries <= 0 and not opts.attempt_timeout:
+    try:
+        not_after = float(opts.not_after) if opts.not_after.strip() else None
+    except ValueError:
+        print(f"error: pipeline.launch: --not-after {opts.not_after!r} is not a Unix time", file=sys.stderr)
+        return 2
+    if opts.retries <= 0 and not opts.attempt_timeout and not_after is None:
         sys.stdout.flush()
         os.execvp(command[0], command)  # no return
     signal.signal(signal.SIGTERM, _forward)
     signal.signal(signal.SIGINT, _forward)
     delay = opts.backoff
     for attempt in range(opts.retries + 1):
-        rc = _attempt(command, opts.attempt_timeout)
+        timeout = opts.attempt_timeout
+        if not_after is not None:
+            left = not_after - time.time()
+            if left <= 0:
+                print(f"error: pipeline.launch: the run's deadline ({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(not_after))}) "
+                      "has passed: not starting the step", file=sys.stderr, flush=True)
+                return 124
+            timeout = min(timeout, left) if timeout else left
+        rc = _attempt(command, timeout)
         if rc == 0 or rc in never or attempt == opts.retries or _stopping:
+            return rc
+        if not_after is not None and time.time() + delay >= not_after:
+            print(f"pipeline.launch: attempt {attempt + 1} exited {rc}; the run's deadline comes before the next "
+                  "attempt", file=sys.stderr, flush=True)
             return rc
         print(f"pipeline.launch: attempt {attempt + 1} exited {rc}; retrying in {delay:.0f} s "
               f"({opts.retries - attempt} left)", file=sys.stderr, flush=True)

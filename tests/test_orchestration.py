@@ -242,11 +242,42 @@ def test_kfp_scheduled_pipeline_takes_its_run_id_from_the_schedule(kfp_dir, tmp_
     assert shard["inputs"]["parameters"]["run_id"]["componentInputParameter"].startswith("pipelinechannel--scheduled")
     # the helper really turns a schedule time into the Argo cron's run id, and refuses a missing one
     c = spec["deploymentSpec"]["executors"]["exec-scheduled-run-id"]["container"]
-    out = tmp_path / "run_id"
-    subprocess.run([sys.executable, *c["command"][1:], "2026-11-22T02:00:00Z", str(out)], check=True)
+    out, not_after = tmp_path / "run_id", tmp_path / "not_after"
+    deadline = c["args"][2]  # cron_deadline_seconds, compiled in
+    assert deadline == str(ClusterSettings().cron_deadline_seconds)
+    subprocess.run([sys.executable, *c["command"][1:], "2026-11-22T02:00:00Z", str(out), deadline, str(not_after)],
+                   check=True)
     assert out.read_text() == "scheduled-20261122T020000Z"
-    done = subprocess.run([sys.executable, *c["command"][1:], "", str(out)], capture_output=True, text=True)
+    # the whole-run deadline (KFP has none for a run): the slot plus cron_deadline_seconds, as Unix time
+    assert int(not_after.read_text()) == 1795312800 + ClusterSettings().cron_deadline_seconds
+    done = subprocess.run([sys.executable, *c["command"][1:], "", str(out), deadline, str(not_after)],
+                          capture_output=True, text=True)
     assert done.returncode == 2 and "not a scheduled run" in done.stderr
+
+
+def test_kfp_scheduled_steps_enforce_the_run_deadline_and_others_have_none(kfp_dir):
+    """Every step of the scheduled pipeline hands the helper's deadline to its launcher
+    (--not-after); the pipelines started by hand pass an empty one (no deadline beyond the pods')."""
+    from pipeline.kfp_pipelines import SCHEDULED_PIPELINE
+
+    for name in ("generate_dataset", SCHEDULED_PIPELINE):
+        spec, _ = _kfp_docs(kfp_dir / f"{name}.yaml")
+        steps = []
+        for comp in spec["components"].values():
+            for task_name, task in comp.get("dag", {}).get("tasks", {}).items():
+                value = task.get("inputs", {}).get("parameters", {}).get("not_after")
+                if value is None:
+                    continue
+                steps.append(task_name.rstrip("-2"))
+                if name == SCHEDULED_PIPELINE:
+                    assert value == {"componentInputParameter": "pipelinechannel--scheduled-run-id-not_after"}
+                else:
+                    assert value == {"runtimeValue": {"constant": ""}}
+        assert sorted(steps) == sorted(["shard", "ar", "dit", "summary"] * 2)  # in both branches (weights PVC or not)
+        for ex_name, ex in spec["deploymentSpec"]["executors"].items():
+            c = ex["container"]["command"]
+            if c[:3] == ["python", "-m", "pipeline.launch"]:
+                assert _launcher_options(c)["--not-after"] == "{{$.inputs.parameters['not_after']}}", ex_name
 
 
 def test_gpus_per_model_helper_multiplies_tp_and_pp(kfp_dir, tmp_path):
@@ -449,7 +480,7 @@ def test_model_and_weights_rule():
     check_model_and_weights("/weights/HunyuanImage-3.0-Instruct", "pvc")
     for model, pvc in [("tiny", "pvc"), ("tencent/HunyuanImage-3.0-Instruct", "pvc"), ("/weightsX", "pvc"),
                        ("/weights", "")]:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="weights_pvc"):
             check_model_and_weights(model, pvc)
 
 

@@ -103,3 +103,22 @@ def test_launcher_usage_error_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pipeline.launch", "python", "-m", "x"], capture_output=True,
                           text=True, cwd=REPO, check=False)
     assert done.returncode != 0 and "expected: OPTIONS -- python -m MODULE ARGS" in done.stderr
+
+
+def test_not_after_stops_attempts_at_the_run_deadline(tmp_path):
+    """--not-after (a scheduled KFP run's deadline): past it no attempt starts; a running one is
+    stopped at it, without a retry after; an empty value means none; a bad one is a usage error."""
+    import time
+
+    counter = tmp_path / "n"
+    past = str(time.time() - 1)
+    done = _launch(tmp_path, [*_retry_opts(), "--not-after", past], _COUNTING, str(counter), "0")
+    assert done.returncode == 124 and "deadline" in done.stderr and not counter.exists()
+    soon = str(time.time() + 2)
+    sleeper = "import time; time.sleep(120)"
+    done = _launch(tmp_path, [*_retry_opts(), "--not-after", soon], sleeper)
+    assert done.returncode == 124 and "retrying" not in done.stderr
+    done = _launch(tmp_path, ["--not-after", ""], _COUNTING, str(counter), "0")
+    assert done.returncode == 0 and counter.read_text() == "1"
+    done = _launch(tmp_path, ["--not-after", "tomorrow"], _COUNTING, str(counter), "0")
+    assert done.returncode == 2 and "not a Unix time" in done.stderr
