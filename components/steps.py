@@ -525,13 +525,45 @@ def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_para
     if world == 1 and stages == 1 and not cfg_parallel:
         module, _, name = target.partition(":")
         return getattr(importlib.import_module(module), name)(**kwargs, progress=progress)
-    from components.ranks import run_on_ranks
+    from components.ranks import RankFailed, run_on_ranks
+
+    restarts = 0
+    while True:
+        budget = _ar_budget(kwargs)
+        try:
+            return run_on_ranks(target, kwargs, world, kwargs.get("device", "cpu"), cfg_parallel=cfg_parallel,
+                                pipeline_parallel_size=stages)
+        except ValueError as exc:  # more ranks than GPUs, an odd CFG-parallel size
+            raise ConfigError(str(exc)) from None
+        except RankFailed as exc:
+            # an AR rank ran out of memory inside a forward (the ranks cannot retry it alone) and
+            # left a smaller budget in the run: start the ranks again from it, at most a few times
+            smaller = _ar_budget(kwargs)
+            if smaller is None or smaller == budget or restarts >= MAX_OOM_RESTARTS:
+                raise
+            restarts += 1
+            print(f"{exc}; starting the ranks again with at most {smaller[0]} AR row(s) in flight "
+                  f"(restart {restarts} of at most {MAX_OOM_RESTARTS})", file=sys.stderr, flush=True)
+
+
+MAX_OOM_RESTARTS = 6  # each one halves the AR batch: 64 rows in flight come down to 1
+
+
+def _ar_budget(kwargs: dict[str, Any]) -> tuple[int | None, int | None] | None:
+    """The (row cap, K/V budget) the run's AR steps keep after an OOM for this layout
+    (components/ar/budget.py), or None (none, or not a step of a run)."""
+    if "output" not in kwargs or "run_id" not in kwargs:
+        return None
+    from components.ar.budget import read_budget
+    from components.data.runs import RunLayout
 
     try:
-        return run_on_ranks(target, kwargs, world, kwargs.get("device", "cpu"), cfg_parallel=cfg_parallel,
-                            pipeline_parallel_size=stages)
-    except ValueError as exc:  # more ranks than GPUs, an odd CFG-parallel size
-        raise ConfigError(str(exc)) from None
+        saved = read_budget(RunLayout.open(kwargs["output"], kwargs["run_id"]),
+                            int(kwargs.get("tensor_parallel_size") or 1), int(kwargs.get("pipeline_parallel_size") or 1),
+                            kwargs.get("device", "cpu"))
+    except Exception:  # noqa: BLE001 - no budget to go by: the failure stands as it is
+        return None
+    return None if saved is None else (saved.get("max_rows"), saved.get("kv_budget_bytes"))
 
 
 def check_pipeline_stages(model: str, stages: int) -> None:

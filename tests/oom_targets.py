@@ -24,3 +24,28 @@ def ar_out_of_memory_allocating(bad_rank: int, parallel, **kwargs):
         return run(parallel=parallel, **kwargs)
     finally:
         ar_scheduler.allocation_fault_hook = None
+
+
+def ar_out_of_memory_in_a_forward_once(marker: str, parallel, **kwargs):
+    """The AR step, where pipeline stage 0 (only) runs out of memory at its third scheduler step, in
+    the middle of the stages' forwards, once: the first process to do so leaves `marker`."""
+    import os
+
+    import torch
+
+    from components.ar.run import run
+    from components.engine import ar_scheduler
+
+    steps = [0]
+
+    def oom(scheduler) -> None:
+        steps[0] += 1
+        if parallel.pp_rank == 0 and steps[0] == 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise torch.OutOfMemoryError("CUDA out of memory (injected on stage 0)")
+
+    ar_scheduler.fault_hook = oom
+    try:
+        return run(parallel=parallel, **kwargs)
+    finally:
+        ar_scheduler.fault_hook = None

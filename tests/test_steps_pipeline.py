@@ -65,25 +65,45 @@ def test_pipeline_steps_match_one_process(dataset, baseline, tmp_path, ar, dit):
 
 
 @pytest.mark.timeout(300)  # without the fix the stages hang (gloo's receive outlasted ARDIT_RANK_TIMEOUT_S)
-def test_a_stage_that_fails_mid_step_fails_the_step_and_a_rerun_resumes(dataset, baseline, tmp_path, monkeypatch):
+def test_a_stage_that_fails_mid_step_restarts_the_ranks_with_half_the_batch(dataset, baseline, tmp_path,
+                                                                              monkeypatch, capfd):
     """An OOM on one stage only, inside a forward: that stage alone cannot start the batch again (the
-    other stage waits in the forward's hand-off; it hung so before), so the AR step fails, naming the
-    stage; it leaves the halved budget in the run, and the re-run starts from it and completes."""
+    other stage waits in the forward's hand-off; it hung so before). The stage leaves the halved
+    budget in the run and the step fails, naming the stage; the step starts its ranks again from that
+    budget (it failed every retry with the same batch before), and completes."""
     out = str(tmp_path)
     _shard(dataset, out, "oom")
     common = dict(output=out, run_id="oom", shard=0, model="tiny", device="cpu", seed=0)
     monkeypatch.setenv("ARDIT_RANK_TIMEOUT_S", "90")  # a hang would end as a collective timeout, not hold CI
-    with pytest.raises(RankFailed, match=r"rank 0 of 2 failed: torch.OutOfMemoryError: CUDA out of memory \(injected"):
-        run_step("tests.parallel_targets:ar_out_of_memory_on_stage0", {**common, **AR, **PP2})
+    capfd.readouterr()
+    run_step("tests.oom_targets:ar_out_of_memory_in_a_forward_once",
+             {**common, **AR, **PP2, "marker": str(tmp_path / "oom-fired")})
+    err = capfd.readouterr().err
+    assert "rank 0 of 2 failed: torch.OutOfMemoryError: CUDA out of memory (injected on stage 0); starting the " \
+           "ranks again with at most 1 AR row(s) in flight (restart 1 of at most 6)" in err, err
     layout = RunLayout.open(out, "oom")
     budget = layout.read_json(layout.settings_key("ar_budget"))
     assert budget["max_rows"] == 1 and budget["pipeline_parallel_size"] == 2, budget  # 2 rows were in flight
-    run_step("components.ar.run:run", {**common, **AR, **PP2})
     record = layout.read_json(layout.step_timing_key(0, "ar"))
     assert record["budget_from_run"]["max_rows"] == 1 and record["scheduler"]["pool_rows"] == 1, record
     run_step("components.dit.run:run", {**common, **GEN, **PP2})
     rows = _rows(out, "oom")
     assert sorted(rows) == sorted(_rows(baseline, "tp1")) and all(r["status"] == "ok" for r in rows.values())
+
+
+def test_an_oom_at_one_row_in_flight_fails_the_step_without_a_restart(dataset, tmp_path, monkeypatch, capfd):
+    """One row in flight and no K/V budget (the CPU): nothing left to halve, so no budget is kept and
+    the step fails at once (no restart that would run into the same OOM)."""
+    out = str(tmp_path)
+    _shard(dataset, out, "oom1")
+    common = dict(output=out, run_id="oom1", shard=0, model="tiny", device="cpu", seed=0)
+    monkeypatch.setenv("ARDIT_RANK_TIMEOUT_S", "90")
+    capfd.readouterr()
+    with pytest.raises(RankFailed, match=r"rank 0 of 2 failed: torch.OutOfMemoryError: CUDA out of memory \(injected"):
+        run_step("tests.parallel_targets:ar_out_of_memory_on_stage0", {**common, **AR, **PP2, "batch_size": 1})
+    assert "starting the ranks again" not in capfd.readouterr().err
+    layout = RunLayout.open(out, "oom1")
+    assert layout.read_json(layout.settings_key("ar_budget")) is None
 
 
 @pytest.mark.slow

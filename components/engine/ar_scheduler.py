@@ -699,11 +699,13 @@ class ARScheduler:
 
     def _halve(self, rows_in_flight: int, pool_rows: int) -> None:
         """After an OOM: half the rows that were in flight, half the K/V budget (kept in the admission,
-        so the AR step can hand them to a resume)."""
-        self.row_cap = max(1, min(rows_in_flight, pool_rows) // 2)
+        so the AR step can hand them to a resume, unless neither got smaller: one row, no budget)."""
+        rows = min(rows_in_flight, pool_rows)
+        self.row_cap = max(1, rows // 2)
         if self.kv_budget is not None:
             self.kv_budget //= 2
-        self.admission.halved_to = (self.row_cap, self.kv_budget)
+        if self.row_cap < rows or self.kv_budget is not None:
+            self.admission.halved_to = (self.row_cap, self.kv_budget)
 
     def _too_large(self, seq: _Seq, capacity: int | None, error: BaseException | None = None) -> RowTooLarge:
         req = seq.request
