@@ -77,7 +77,10 @@ figcaption { font-size: 12px; color: var(--muted); margin-top: 6px; }
 .cell { min-width: 0; }
 .cell .title { overflow: hidden; text-overflow: ellipsis; font: 600 12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; margin-bottom: 5px; min-height: 20px;
   display: flex; justify-content: space-between; align-items: center; gap: 4px; }
-.cell img { width: 100%; height: auto; max-height: 260px; object-fit: contain; display: block; border-radius: 6px; background: #eee;
+/* small images (under 200 px) are magnified, pixelated, to show single-pixel differences; thumbnails
+   of real ones are never shown larger than their pixels */
+.cell img { {{ 'width: 100%' if pixelated else 'width: auto; max-width: 100%' }}; height: auto; max-height: 260px;
+  object-fit: contain; display: block; border-radius: 6px; background: #eee;
   image-rendering: {{ 'pixelated' if pixelated else 'auto' }}; }
 .cell img.heat { margin-top: 6px; }
 .cell .m { font-size: 11.5px; color: var(--muted); margin-top: 5px; line-height: 1.35;

@@ -8,19 +8,20 @@ from typing import Any
 import jinja2
 from markupsafe import Markup, escape
 
-CLAMP_CHARS = 400  # a longer text shows this many characters ...
-CLAMP_LINES = 6  # ... or this many lines, and expands on click
+CLAMP_CHARS = 400  # a longer text keeps this many characters ...
+CLAMP_LINES = 4  # ... or lines in its preview, shown as at most CLAMP_LINES lines at any width; a click expands it
 
 # Shared by both reports' style sheets.
 CLAMP_CSS = """
-details.clamp { margin: 0; font-size: inherit; display: inline; }
-details.clamp > summary { cursor: pointer; list-style: none; display: inline; color: inherit; }
+details.clamp { margin: 0; font-size: inherit; }
+details.clamp > summary { cursor: pointer; list-style: none; color: inherit; }
 details.clamp > summary::-webkit-details-marker { display: none; }
 details.clamp .more { color: #0969da; font-size: 12px; white-space: nowrap; }
 details.clamp[open] .preview, details.clamp[open] .more.open-it, details.clamp:not([open]) .more.close-it { display: none; }
 details.clamp .full { display: block; max-height: 24em; overflow: auto; white-space: pre-wrap; overflow-wrap: anywhere;
   background: #f6f8fa; border-radius: 6px; padding: 6px 8px; margin-top: 4px; }
-.preview { white-space: pre-wrap; overflow-wrap: anywhere; }
+details.clamp .preview { white-space: pre-wrap; overflow-wrap: anywhere; display: -webkit-box; -webkit-box-orient: vertical;
+  -webkit-line-clamp: 4; line-clamp: 4; overflow: hidden; }
 """
 
 
