@@ -180,7 +180,7 @@ def test_negative_control_an_oom_without_recovery_would_fail_rows(engine, monkey
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     monkeypatch.setattr(ARGenerator, "_decode", boom)
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(torch.OutOfMemoryError, match=r"CUDA out of memory \(injected\)"):
         engine.generate_ar(_requests(2), GREEDY)
 
 
@@ -342,7 +342,7 @@ def test_step_options_are_checked_and_passed(monkeypatch, tmp_path):
     assert (seen["batch_size"], seen["gpu_memory_utilization"], seen["max_num_batched_tokens"]) == (40, 0.8, 512)
     for bad in (dict(batch_size="many"), dict(batch_size=0), dict(gpu_memory_utilization=1.5),
                 dict(max_num_batched_tokens=0)):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=r"^--(batch-size|gpu-memory-utilization|max-num-batched-tokens) .*: must be "):
             check_engine_options(**bad)
     check_engine_options(batch_size="auto", gpu_memory_utilization=0.5, max_num_batched_tokens=64)
 

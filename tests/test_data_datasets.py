@@ -198,7 +198,7 @@ def test_shard_ranges_cover_every_row_once() -> None:
             assert covered == list(range(n))
             sizes = [b - a for a, b in ranges]
             assert max(sizes) - min(sizes) <= 1
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_shards must be >= 1, got 0"):
         shard_ranges(3, 0)
 
 
@@ -216,7 +216,7 @@ def test_parse_size_and_effective_seed() -> None:
     assert parse_size("auto") is None and parse_size(None) is None
     assert parse_size("1024x768") == (1024, 768) and parse_size(" 64 X 32 ") == (64, 32)
     for bad in ("1024", "0x5", "axb", "-4x4"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="is not 'auto' or 'WIDTHxHEIGHT'|has a zero dimension"):
             parse_size(bad)
     job = Job(id="a", row_index=0, kind="generate", text="p")
     assert job.effective_seed() == job.effective_seed() != job.effective_seed(base_seed=1)

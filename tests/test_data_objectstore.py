@@ -84,7 +84,7 @@ def test_files_round_trip(store: ObjectStore, tmp_path) -> None:
     dest = tmp_path / "dest.bin"
     store.get_file("files/src.bin", dest)
     assert dest.read_bytes() == src.read_bytes()
-    with pytest.raises(ObjectNotFoundError):
+    with pytest.raises(ObjectNotFoundError, match="no object .*files/missing.bin"):
         store.get_file("files/missing.bin", tmp_path / "never.bin")
     assert not (tmp_path / "never.bin").exists()
 
@@ -109,7 +109,7 @@ def test_child_store_sees_the_same_objects(store: ObjectStore) -> None:
 
 @pytest.mark.parametrize("bad", ["", "/abs", "a/../b", "a//b", "a/./b", "a\\b", "x/.ardit-tmp-1"])
 def test_bad_keys_are_refused(store: ObjectStore, bad: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^object key "):
         store.put_bytes(bad, b"x")
 
 
@@ -152,9 +152,9 @@ def test_local_write_is_atomic_when_interrupted(tmp_path) -> None:
 
     def failing_write(f):  # writes half the data, then dies
         f.write(b"new-half")
-        raise Boom()
+        raise Boom("died half-way")
 
-    with pytest.raises(Boom):
+    with pytest.raises(Boom, match="died half-way"):
         store._atomic_write("k", failing_write)
     assert store.get_bytes("k") == b"old"
     assert store.list("") == ["k"]
@@ -195,9 +195,9 @@ def test_size_ranges_and_reader(store: ObjectStore) -> None:
         assert f.read(4) == data[100:104] and f.tell() == 104
         f.seek(0)
         assert f.read() == data
-    with pytest.raises(ObjectNotFoundError):
+    with pytest.raises(ObjectNotFoundError, match="no object .*r/missing"):
         store.size("r/missing")
-    with pytest.raises(ObjectNotFoundError):
+    with pytest.raises(ObjectNotFoundError, match="no object .*r/missing"):
         store.open_reader("r/missing")
 
 

@@ -143,7 +143,7 @@ def test_multipart_part_retried(s3_prefix, s3_env) -> None:
 def test_permanent_503_gives_clear_error(s3_prefix) -> None:
     inj = FaultInjector("PutObject", failures=None)
     store = _store(s3_prefix, inj, max_attempts=3)
-    with pytest.raises(ObjectStoreError) as err:
+    with pytest.raises(ObjectStoreError, match="SlowDown") as err:
         store.put_bytes("dead/put.bin", b"x")
     msg = str(err.value)
     assert "SlowDown" in msg and "HTTP 503" in msg and "3 attempt(s)" in msg
@@ -166,7 +166,7 @@ def test_permanent_multipart_failure_leaves_no_object(s3_prefix, s3_env) -> None
 def test_bad_credentials_fail_fast_and_clearly(s3_prefix, s3_env, monkeypatch) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     store = _store(s3_prefix, max_attempts=5)
-    with pytest.raises(ObjectStoreError) as err:
+    with pytest.raises(ObjectStoreError, match="SignatureDoesNotMatch|AccessDenied|InvalidAccessKeyId") as err:
         store.put_bytes("auth/x", b"x")
     msg = str(err.value)
     assert "SignatureDoesNotMatch" in msg or "AccessDenied" in msg or "InvalidAccessKeyId" in msg
@@ -260,7 +260,7 @@ def test_dataset_read_from_s3_survives_streaming_faults(s3_prefix, s3_env, monke
 def test_failed_list_names_the_prefix(s3_prefix) -> None:
     inj = FaultInjector("ListObjectsV2", failures=None)
     store = _store(s3_prefix, inj, max_attempts=2)
-    with pytest.raises(ObjectStoreError) as err:
+    with pytest.raises(ObjectStoreError, match="run7/shards/0/rows") as err:
         store.list("run7/shards/0/rows/")
     assert f"{s3_prefix}/run7/shards/0/rows" in str(err.value), str(err.value)
 
@@ -294,7 +294,7 @@ def test_s3_outage_at_job_start_exits_1_not_2(s3_prefix, s3_env, tmp_path, monke
     monkeypatch.setenv("ARDIT_S3_MAX_ATTEMPTS", "2")
     with FlakyS3Proxy(s3_env.endpoint, always=lambda method, path: True) as proxy:
         monkeypatch.setenv("ARDIT_S3_ENDPOINT", proxy.url)
-        with pytest.raises(ObjectStoreError) as err:
+        with pytest.raises(ObjectStoreError, match="run the same command again") as err:
             check_output(f"{s3_prefix}/out")
         assert not isinstance(err.value, ConfigError) and "run the same command again" in str(err.value)
         capfd.readouterr()
@@ -376,7 +376,7 @@ def test_refused_credentials_name_the_credentials(s3_prefix, monkeypatch) -> Non
     check_output(f"{s3_prefix}/out")  # the right ones work (and leave no probe object behind)
     assert _store(s3_prefix).list("out") == []
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ConfigError, match="AWS_SECRET_ACCESS_KEY") as err:
         check_output(f"{s3_prefix}/out")
     msg = str(err.value)
     assert "AWS_SECRET_ACCESS_KEY" in msg and "credentials" in msg and s3_prefix.split("/")[2] in msg, msg

@@ -183,7 +183,7 @@ def test_parse_image_size():
     assert parse_image_size("16:9") == (16, 9)
     assert parse_image_size("<img_ratio_3>") == "<img_ratio_3>"
     for bad in ["1280", "0x720", "axb", (1, 2, 3), "-5x4"]:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="^image size "):
             parse_image_size(bad)
 
 
@@ -326,7 +326,7 @@ def test_tiny_tokenizer_special_tokens(tok):
     assert tok.vocab_size <= tiny_config().vocab_size
     assert tok.decode([tok.think, tok.recaption_end]) == "<think></recaption>"
     assert tok.decode(tok.encode("a red cat on a boat")) == "a red cat on a boat"
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="'<no_such_token>' is not in the tokenizer"):
         tok.token_id("<no_such_token>")
 
 

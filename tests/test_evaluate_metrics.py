@@ -105,7 +105,7 @@ def test_size_mismatch_is_an_error() -> None:
 
 
 def test_float_images_outside_unit_range_are_rejected() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"float images must hold values in \[0, 1\]"):
         compare_images(_gray() * 255, _gray() * 255)
 
 

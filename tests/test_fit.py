@@ -45,13 +45,13 @@ def test_bf16_is_about_160_gb_and_halves_per_gpu_at_tp2_or_pp2(full):
 
 def test_fp8_fits_one_h200_but_bf16_does_not():
     assert check_fit(MODEL, [H200_FREE], quantization="fp8").total < H200_FREE
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=r"--quantization fp8 \(1 GPU\)") as e:
         check_fit(MODEL, [H200_FREE])
     assert "--quantization fp8 (1 GPU)" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_fp8_on_one_h100_does_not_fit_and_names_tp2_and_pp2():
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="does not fit") as e:
         check_fit(MODEL, [H100_FREE], quantization="fp8", gpus_visible=1)
     message = str(e.value)
     assert "does not fit" in message and "79 GB free" in message
@@ -61,7 +61,7 @@ def test_fp8_on_one_h100_does_not_fit_and_names_tp2_and_pp2():
 
 
 def test_bf16_on_h100s_names_fp8_at_two_gpus_and_bf16_at_four():
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=r"--tp 2 --quantization fp8 \(2 GPUs\)") as e:
         check_fit(MODEL, [H100_FREE])
     message = str(e.value)
     assert "--pp 2 --quantization fp8 or --tp 2 --quantization fp8 (2 GPUs)" in message

@@ -50,7 +50,7 @@ def test_run_sh_without_a_namespace_fails_under_ci_and_skips_with_a_note_locally
 def test_server_fixtures_fail_under_ci_outside_a_loopback_namespace(monkeypatch):
     monkeypatch.setattr(socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
     monkeypatch.delenv("CI", raising=False)
-    with pytest.raises(pytest.skip.Exception):
+    with pytest.raises(pytest.skip.Exception, match="loopback-only network namespace"):
         require_loopback_only()
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true"):

@@ -198,7 +198,7 @@ def test_dead_servers_give_unreachable_at_once(small_servers):
     r = s.get("dead/0/0")
     assert r.kv is None and r.code == "unreachable", r.reason
     assert not s.health().ok
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match="dead/0/1"):
         s.put("dead/0/1", kv)
     fresh = open_store(small_servers.url)
     assert fresh.get("dead/0/0").code == "unreachable"

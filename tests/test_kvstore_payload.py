@@ -160,7 +160,7 @@ def _corrupt(p: np.ndarray, at: int) -> np.ndarray:
 )
 def test_corruption_is_detected(mutate, reason):
     p = encode_payload(make_kv(torch.bfloat16))
-    with pytest.raises(PayloadError) as e:
+    with pytest.raises(PayloadError, match=f"^{reason}: ") as e:
         decode_payload(mutate(p))
     assert e.value.reason == reason, e.value
 
@@ -178,10 +178,10 @@ def test_checksum_names_the_tensor():
 
 def test_identity_mismatch():
     p = encode_payload(make_kv())
-    with pytest.raises(PayloadError) as e:
+    with pytest.raises(PayloadError, match="^model_mismatch: ") as e:
         decode_payload(p, expect_model_id="hunyuan-image-3")
     assert e.value.reason == "model_mismatch" and "tiny" in e.value.detail
-    with pytest.raises(PayloadError) as e:
+    with pytest.raises(PayloadError, match="^config_mismatch: ") as e:
         decode_payload(p, "tiny", "other")
     assert e.value.reason == "config_mismatch"
 

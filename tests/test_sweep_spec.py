@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -201,7 +202,7 @@ def test_bad_parameters_and_values_are_named(base: dict, grid: dict, message: st
     spec["base"] = {**spec["base"], **base}
     if grid:
         spec["reference"] = {k: v[0] for k, v in grid.items()}
-    with pytest.raises(SpecError) as exc:
+    with pytest.raises(SpecError, match=re.escape(message)) as exc:
         parse_spec(spec)
     assert message in str(exc.value)
 

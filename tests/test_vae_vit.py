@@ -122,7 +122,7 @@ def test_vae_time_folding(vae, tiny):
 
 
 def test_vae_rejects_unaligned_size(vae):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="spatial size 40x64 must be a multiple of"):
         vae.encode(torch.zeros(1, 3, 40, 64))
 
 
