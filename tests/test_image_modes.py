@@ -145,3 +145,15 @@ def test_8bit_modes_are_byte_identical_to_the_official_path(mode: str) -> None:
     assert ours.size == official.size == (H, W)
     assert ours.tobytes() == official.tobytes()
     assert to_rgb(image).tobytes() == image.convert("RGB").tobytes()
+
+
+def test_16bit_gray_keeps_its_exif_orientation() -> None:
+    samples = gradient16()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90° clockwise to display
+    buf = io.BytesIO()
+    Image.fromarray(samples).save(buf, format="PNG", exif=exif)
+    valid, _ = validate_rows([{"id": "r", "instruction": "i", "image": buf.getvalue()}], "edit")
+    got = load_image(valid[0].pil_images()[0])
+    want = np.rot90(gray3((samples >> 8).astype(np.uint8)), k=-1)
+    np.testing.assert_array_equal(np.asarray(got), want)
