@@ -48,7 +48,7 @@ from torch import nn
 from .config import HunyuanImage3Config
 from .kernels.compiled import call_compiled
 from .kernels.moe import combine_sorted, inverse_order, sort_by_expert
-from .transformer import MLP, Attention, Experts, HunyuanImage3ForCausalMM, _combine
+from .transformer import MLP, Attention, Experts, _combine
 from .weights import CheckpointError, LoadSlices, _expert_spec, _read, checkpoint_files, write_checkpoint
 
 FP8 = torch.float8_e4m3fn
