@@ -85,6 +85,8 @@ def compile_cmd(
     names that `kubectl apply -k` pins (`--engine argo`, e.g. into manifests/base)."""
     from pipeline.cluster import unresolved_images
 
+    if engine != Engine.argo:
+        import kfp  # noqa: F401 - a missing extra is said first (pip install 'ardit[orchestration]')
     s = _settings(settings, images, need_images="" if engine == Engine.argo else
                   "KFP (and the Argo cron; --engine argo without --images writes only the WorkflowTemplates)")
     pinned = not unresolved_images(s)
