@@ -89,6 +89,8 @@ def test_job_report_shows_what_was_asked_and_what_came_out(job_run, capfd):
     # each shard's steps as a plot (the step records in summary.json), beside the time split and rows
     assert 'alt="shard steps" src="data:image/png;base64,' in html
     assert "Each shard&#39;s AR and DiT steps" in html or "Each shard's AR and DiT steps" in html
+    assert "with the GPU memory peak" in html and "no GPU memory was recorded" not in html  # recorded here
+    assert "KV reuse 3" in html and "{&#39;" not in html  # settings as words, not a Python dict
     # the time split includes the engine load recorded by the step
     assert '"load": 4.0' in (job_run / "summary.json").read_text()
 
