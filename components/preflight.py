@@ -113,7 +113,11 @@ def check_model_name(model: str) -> None:
     with checkpoint directories and the Hugging Face cache, is components.steps.resolve_model)."""
     import difflib
 
-    if model in MODEL_NAMES or "/" in model or model.startswith((".", "~")) or Path(model).exists():
+    path = Path(model).expanduser()
+    if path.is_file():
+        raise ConfigError(f"--model {model}: is a file, not a checkpoint directory (config.json, *.safetensors, "
+                          "tokenizer files) nor a model name")
+    if model in MODEL_NAMES or "/" in model or model.startswith((".", "~")) or path.exists():
         return
     close = difflib.get_close_matches(model, MODEL_NAMES, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
@@ -303,6 +307,9 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     # cheap checks: no torch, no engine yet
     check_model_name(model)
     source = check_dataset(dataset, kind)
+    if num_shards != "auto" and num_shards > source.num_rows:
+        raise ConfigError(f"--num-shards {num_shards}: the dataset has {source.num_rows} row(s), so at most "
+                          f"{source.num_rows} shard(s) (or auto)")
     check_output(output)
     kv_url = None if not kv_reuse or ar_from_run else kv_store or default_kv_store(output, run_id)
     if kv_url is not None:

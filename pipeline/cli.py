@@ -37,7 +37,7 @@ class _Ardit(typer.Typer):
 
 
 app = _Ardit(help="ardit: batch image generation and editing with a two-stage AR + DiT model.",
-             no_args_is_help=True, add_completion=False)
+             no_args_is_help=True, add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
 app.add_typer(store_app, name="store")
 app.add_typer(orchestration_app)  # compile, submit, run-local
 app.add_typer(sweep_app)  # sweep, report
@@ -71,8 +71,8 @@ NoKVReuse = Annotated[bool, typer.Option(
     "--no-kv-reuse", help="recompute the prompt K/V in the DiT step instead of taking the AR step's",
     rich_help_panel=STORAGE)]
 Model = Annotated[str, typer.Option(
-    "--model", help="tiny | hunyuan-image-3 | hunyuan-image-3-distil | a checkpoint directory | a Hugging Face "
-    "repo id", rich_help_panel=MODEL)]
+    "--model", help="tiny | demo | hunyuan-image-3 | hunyuan-image-3-distil | a checkpoint directory | a Hugging "
+    "Face repo id", rich_help_panel=MODEL)]
 Weights = Annotated[Optional[str], typer.Option(
     "--weights", help="safetensors directory (default: the checkpoint's; presets: seeded random weights)",
     rich_help_panel=MODEL)]
@@ -90,7 +90,8 @@ DP = Annotated[Optional[int], typer.Option(
     "as many as the visible GPUs hold, GPUs / (tp x pp); 1 on the CPU)", rich_help_panel=MODEL)]
 Quantization = Annotated[Optional[str], typer.Option("--quantization", help="fp8 (default: none)",
                                                      rich_help_panel=MODEL)]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 (default: the model config's)",
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: the model "
+                                              "config's)",
                                               rich_help_panel=MODEL)]
 Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N", rich_help_panel=MODEL)]
 Steps = Annotated[Optional[int], typer.Option("--steps", help=f"denoising steps ({FROM_CONFIG})",
@@ -303,6 +304,27 @@ def _print_summary(summary: dict, output: str, run_id: str) -> None:
     typer.echo(f"images and rows.parquet under {output.rstrip('/')}/{run_id}/shards/*/")
 
 
+def _refuse_empty(values: dict[str, str | None]) -> None:
+    """An option given as "" (an unset shell variable, `-o "$OUT"`) is a mistake on the command line,
+    not its default: -o "" wrote into the current directory, --run-id "" started a new run."""
+    from components.errors import ConfigError
+
+    for option, value in values.items():
+        if value is not None and not value.strip():
+            raise ConfigError(f"{option} {value!r}: empty; give a value, or leave the option out for its default")
+
+
+def _refuse_contradictions(*, greedy: bool, temperature: float | None, dummy_weights: bool,
+                           weights: str | None) -> None:
+    """Two options that say opposite things: one line, rather than one of them silently winning."""
+    from components.errors import ConfigError
+
+    if greedy and temperature:
+        raise ConfigError(f"--greedy and --temperature {temperature}: greedy decoding is temperature 0; drop one")
+    if dummy_weights and weights is not None:
+        raise ConfigError(f"--dummy-weights and --weights {weights}: seeded random weights or those files; drop one")
+
+
 def _job_command(kind: str):
     def command(
         dataset: Dataset,
@@ -319,6 +341,10 @@ def _job_command(kind: str):
     ) -> None:
         from components.steps import auto_or_int
 
+        _refuse_empty({"DATASET": dataset, "--output": output, "--run-id": run_id, "--num-shards": num_shards,
+                       "--model": model, "--weights": weights, "--quantization": quantization, "--dtype": dtype,
+                       "--device": device, "--batch-size": batch_size, "--kv-store": kv_store})
+        _refuse_contradictions(greedy=greedy, temperature=temperature, dummy_weights=dummy_weights, weights=weights)
         _run(kind, dataset, output, run_id, num_shards=auto_or_int(num_shards), kv_store=kv_store, model=model,
              weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
              pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
@@ -351,7 +377,10 @@ def sample_data(path: Annotated[str, typer.Argument(
         raise ConfigError(f"--kind {kind!r}: must be edit or generate")
     if rows < 1:
         raise ConfigError(f"--rows {rows}: must be >= 1")
-    written = (write_sample_edit_dataset if kind == "edit" else write_sample_generate_dataset)(path, n=rows)
+    try:
+        written = (write_sample_edit_dataset if kind == "edit" else write_sample_generate_dataset)(path, n=rows)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write there ({exc.strerror or exc}); choose a path you can write") from None
     typer.echo(f"wrote {rows} {kind} rows to {written}")
 
 
@@ -417,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     except click_errors.NoArgsIsHelpError:  # `ardit` alone: the help was printed
         return 0
     except click_errors.ClickException as exc:  # bad option, missing argument, unknown command
-        where = exc.ctx.command_path if getattr(exc, "ctx", None) else "ardit"
+        ctx = getattr(exc, "ctx", None)
+        sub = next((a for a in args if not a.startswith("-")), None)  # `ardit edit x --steps`: no ctx
+        where = ctx.command_path if ctx else f"ardit {sub}" if sub in getattr(command, "commands", {}) else "ardit"
         print(f"{where}: error: {one_line(exc.format_message())} (see {where} --help)", file=sys.stderr)
         return exc.exit_code
     except (ConfigError, ImportError) as exc:

@@ -101,9 +101,11 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
     dp = min(plan["data_parallel_size"], max(len(todo), 1))  # no replica without a shard to take
     if data_parallel_size is not None and dp < data_parallel_size:
+        hint = (f"--num-shards {data_parallel_size} or more gives each one work" if manifest["num_rows"] >=
+                data_parallel_size else f"the dataset has {manifest['num_rows']} row(s)")
         print(f"--data-parallel-size {data_parallel_size}: {len(todo)} shard(s) to run, so {dp} model "
-              f"cop{'y' if dp == 1 else 'ies'} (a copy without a shard would load the model for nothing; "
-              f"--num-shards {data_parallel_size} or more gives each copy work)", file=sys.stderr, flush=True)
+              f"cop{'y' if dp == 1 else 'ies'} ({hint}; a copy without a shard would load the model for nothing)",
+              file=sys.stderr, flush=True)
     with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2), replicas=dp) as bars:
         replicas = run_replicas(todo, shard_steps, bars, dp, tensor_parallel_size, pipeline_parallel_size,
                                 plan["device"])

@@ -65,6 +65,19 @@ def one_line_error(code: int, err: str, *needles: str, exit_code: int = 2) -> st
     (["--steps", "x"], ["'--steps'", "ardit edit --help"]),
     (["--step-cache", "2"], ["--step-cache 2.0", "[0, 1)"]),
     (["--no-such-option"], ["--no-such-option"]),
+    # issue 35: a new user's mistakes
+    (["-o", "/proc/ardit-out"], ["--output /proc/ardit-out", "cannot write there"]),  # root passes os.access
+    (["--model", "tinyy"], ["--model tinyy", "did you mean tiny?"]),
+    (["-tp", "0"], ["--tensor-parallel-size 0"]),  # vLLM's spellings are taken
+    (["-pp", "0"], ["--pipeline-parallel-size 0"]),
+    (["-dp", "0"], ["--data-parallel-size 0"]),
+    (["-o", ""], ["--output ''", "empty"]),  # wrote into the current directory
+    (["--run-id", ""], ["--run-id ''", "empty"]),  # started a new run
+    (["--kv-store", " "], ["--kv-store ' '", "empty"]),
+    (["--greedy", "--temperature", "0.7"], ["--greedy and --temperature 0.7", "drop one"]),
+    (["--dummy-weights", "--weights", "/"], ["--dummy-weights and --weights /", "drop one"]),
+    (["--num-shards", "3"], ["--num-shards 3", "2 row(s)", "at most 2 shard(s)"]),
+    (["--steps"], ["ardit edit: error:", "'--steps' requires an argument", "see ardit edit --help"]),
 ])
 def test_bad_options_are_one_line_before_any_work(capfd, tmp_path, datasets, args, needles):
     out = tmp_path / "out"
@@ -72,6 +85,27 @@ def test_bad_options_are_one_line_before_any_work(capfd, tmp_path, datasets, arg
     one_line_error(code, err, *needles)
     assert "run " not in stdout  # no run was started
     assert not list(out.glob("*/inputs")), "work started"
+
+
+def test_a_file_as_model_and_an_unwritable_sample_path(capfd, tmp_path, datasets):
+    code, stdout, err = ardit(capfd, "edit", datasets["edit"], "-o", str(tmp_path / "out"), "--model",
+                              datasets["edit"])
+    one_line_error(code, err, f"--model {datasets['edit']}: is a file, not a checkpoint directory")
+    code, _, err = ardit(capfd, "sample-data", "/proc/ardit-sample.parquet")  # FileNotFoundError, exit 1 before
+    one_line_error(code, err, "/proc/ardit-sample.parquet: cannot write there")
+
+
+def test_help_groups_the_options_and_shows_no_bool_type(capfd, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    code, out, _ = ardit(capfd, "edit", "--help")
+    assert code == 0
+    assert "Usage: ardit edit [OPTIONS] DATASET" in out and "{dataset}" not in out
+    panels = [line.strip("╭─ ").split(" ─")[0] for line in out.splitlines() if line.startswith("╭─")]
+    assert panels == ["Arguments", "Options", "Data and output", "Model and parallelism", "Generation",
+                      "AR scheduling", "Storage"], panels
+    assert "<bool>" not in out
+    assert "-tp" in out and "-pp" in out and "-dp" in out
+    assert ardit(capfd, "edit", "-h")[:2] == (0, out)  # -h as well
 
 
 def test_bad_kernel_settings_in_the_environment(capfd, tmp_path, datasets, monkeypatch):
@@ -283,5 +317,5 @@ def test_one_exit_2_handler_for_the_cli_and_the_step_programs(capsys, monkeypatc
         assert main(["edit", "data.parquet"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("ardit: error: ") and err.count("\n") == 1 and needle in err, err
-    with pytest.raises(ImportError):  # not an optional extra: a real bug, with its traceback
+    with pytest.raises(ImportError, match="No module named 'torchh'"):  # not an optional extra: a real bug, with its traceback
         step_main("ardit-dit", raise_(ImportError("No module named 'torchh'", name="torchh")))

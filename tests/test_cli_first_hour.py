@@ -111,6 +111,8 @@ CHEAP_FAILURES = {
     "kv store scheme": (["edit", "{edit}", "--kv-store", "redis://x"], "unknown scheme"),
     "kv store under a file": (["edit", "{edit}", "--kv-store", "local://{file}/kv"], "is a file"),
     "device cuda": (["edit", "{edit}", "--device", "cuda"], "no CUDA GPU"),
+    "model name typo": (["edit", "{edit}", "--model", "hunyuan-image3"], "did you mean hunyuan-image-3?"),
+    "output nobody can write": (["edit", "{edit}", "-o", "/proc/ardit-out"], "cannot write there"),
 }
 
 
@@ -248,3 +250,68 @@ def test_an_unsupported_size_lists_the_supported_ones():
                               is_supported_size=is_supported_size)
     assert errors[0].error.startswith("size '123x77' is not supported (use auto or one of ")
     assert "256x256" in errors[0].error and ";" not in errors[0].error  # tiny's square bucket; one problem
+
+
+# ------------------------------------------------------------------ issue 35
+
+
+def test_the_quick_model_name_check_knows_every_model_name():
+    """check_model_name keeps its own list (it runs before the engine is imported): every name the
+    engine resolves passes it, and a name it refuses is refused by the engine too."""
+    from components.engine import resolve
+    from components.errors import ConfigError
+    from components.preflight import MODEL_NAMES, check_model_name
+    from components.steps import resolve_model
+
+    assert set(resolve.PRESETS) <= set(MODEL_NAMES)
+    assert getattr(resolve, "DEMO", "demo") in MODEL_NAMES
+    for name in resolve.PRESETS:
+        check_model_name(name)
+    for typo in ("tinyy", "hunyuan-image3", "Tiny"):
+        with pytest.raises(ConfigError, match=f"--model {typo}: unknown model"):
+            check_model_name(typo)
+        with pytest.raises(ConfigError, match="unknown model"):
+            resolve_model(typo)
+
+
+def test_forced_cot_lengths_take_any_preset_without_weights(monkeypatch, tmp_path):
+    """The presets load seeded random weights (as --help says), so ARDIT_BENCH_COT_TOKENS needs no
+    --dummy-weights with them; with real weights it is still refused."""
+    from components.errors import ConfigError
+    from components.steps import check_bench_cot
+
+    monkeypatch.setenv("ARDIT_BENCH_COT_TOKENS", "8")
+    assert check_bench_cot("hunyuan-image-3", None, False) is not None
+    assert check_bench_cot("tiny", None, False) is not None
+    with pytest.raises(ConfigError, match="ARDIT_BENCH_COT_TOKENS='8': forces CoT lengths"):
+        check_bench_cot("hunyuan-image-3", str(tmp_path), False)
+
+
+def test_the_load_line_says_cpu_processes_off_the_gpu():
+    from components.steps import describe_load
+
+    assert "2 CPU processes" in describe_load("tiny", None, False, None, 2, "cpu")
+    assert "4 GPUs" in describe_load("tiny", None, False, None, 2, "cuda", pipeline_parallel_size=2)
+    assert "GPU" not in describe_load("tiny", None, False, None, 1, "cpu", pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_torch_cpp_warnings_stay_off_the_terminal_unless_debug(tmp_path, debug):
+    """torch's C++ warnings (NCCL's "unbatched P2P op ... lazy initialization" note under --pp, once per
+    rank and link) are not printed unless --debug. Without a GPU, the same logging path is shown by
+    c10d's warning when a store client cannot connect yet; ranks inherit the setting."""
+    code = ("import sys, datetime; from pipeline.cli import main; main(sys.argv[1:]); "
+            "import torch.distributed as dist\n"
+            "try:\n"
+            "    dist.init_process_group('gloo', init_method='tcp://127.0.0.1:9', rank=1, world_size=2, "
+            "timeout=datetime.timedelta(seconds=1))\n"
+            "except Exception as e:\n"
+            "    print('refused', type(e).__name__)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CPP_LOG_LEVEL", "ARDIT_DEBUG")}
+    args = ["--debug", "sample-data", str(tmp_path / "x.parquet"), "-n", "1"] if debug else \
+        ["sample-data", str(tmp_path / "x.parquet"), "-n", "1"]
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert "refused" in proc.stdout, proc.stdout + proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "[W" in line and "TCPStore" in line]
+    assert bool(warnings) == debug, proc.stderr

@@ -76,6 +76,14 @@ def test_two_replicas_match_one_and_each_loads_its_engine_once(dataset, tmp_path
     assert two["data_parallel"] == {"replicas": 2, "failed": []}
     assert one["close_s"] is None and two["close_s"] >= 0  # the replicas' ranks stopping, after the last commit
     assert sorted({s["replica"] for s in two["shards"]}) == [0, 1]  # both replicas did work
+    # each replica's time split adds up to the wall time; the job's sums the replicas' (issue 35:
+    # it summed their overlapping steps, exceeded wall_s and left `other` null)
+    by_replica = two["time_split_by_replica_s"]
+    assert sorted(by_replica) == ["0", "1"] and "time_split_by_replica_s" not in one
+    for split in by_replica.values():
+        assert split["other"] is not None and sum(split.values()) == pytest.approx(two["wall_s"], rel=0.01)
+    assert sum(two["time_split_s"].values()) == pytest.approx(2 * two["wall_s"], rel=0.01)
+    assert one["time_split_s"]["other"] is not None
     pids = log.read_text().split()
     assert len(pids) == 2 and len(set(pids)) == 2 and str(os.getpid()) not in pids  # one load per replica
 
@@ -85,16 +93,28 @@ def test_two_replicas_match_one_and_each_loads_its_engine_once(dataset, tmp_path
         assert psnr(_image(out, "dp2", row), _image(out, "dp1", ref[row_id])) >= 60
 
 
-def test_a_killed_replica_gives_its_shard_to_another(dataset, tmp_path, monkeypatch):
+def test_a_killed_replica_gives_its_shard_to_another(dataset, tmp_path, monkeypatch, capfd):
+    from pipeline.cli import _print_summary
     from pipeline.local import run_job
 
     out = str(tmp_path / "runs")
     monkeypatch.setenv("ARDIT_TEST_KILL_FLAG", str(tmp_path / "killed"))
     _targets(monkeypatch, dit="dit_killed_once")
-    summary = run_job(dataset, out, "kill", data_parallel_size=2, **JOB)
+    summary = run_job(dataset, out, "kill", data_parallel_size=2, **{**JOB, "progress": "log"})
     assert (tmp_path / "killed").exists()
     (failure,) = summary["data_parallel"]["failed"]
     assert "killed or crashed" in failure["error"]
+    # issue 35: said on the terminal when it happens, and the job's step count stays right
+    log = capfd.readouterr().err.splitlines()
+    said = [line for line in log if f"data-parallel replica {failure['replica']}: RankFailed" in line]
+    assert len(said) == 1 and f"shard {failure['shard']} goes back to the queue" in said[0], log
+    steps = [line.split("job: ")[1].split(" shard steps")[0] for line in log if "job: " in line]
+    done, total = map(int, steps[-1].split("/"))
+    assert done == total >= 8, log  # 4 shards x (AR, DiT), plus what the lost replica's shard ran again
+    _print_summary(summary, out, "kill")  # and at the end, though the job ends well
+    printed = capfd.readouterr()
+    assert f"a data-parallel replica was lost on shard {failure['shard']}" in printed.err
+    assert "replica 0" in printed.out and "replica 1" in printed.out and "{" not in printed.out
     assert summary["complete"] and summary["rows_ok"] == 4 and summary["rows_failed"] == 0
     by_shard = {s["shard"]: s["replica"] for s in summary["shards"]}
     assert by_shard[failure["shard"]] != failure["replica"]  # redone by the replica left
@@ -120,3 +140,15 @@ def test_when_every_replica_dies_the_job_fails_and_a_rerun_resumes(dataset, tmp_
     assert all(layout.is_committed(k) for k in range(4))
     rows = _rows(out, "dead")
     assert len(rows) == 4 and all(r["status"] == "ok" for r in rows.values())
+
+
+def test_more_replicas_than_shards_is_said(dataset, tmp_path, capfd):
+    """Issue 35: `--dp 3` on the CPU silently ran 2 copies (as many as there were shards)."""
+    from pipeline import cli
+
+    out = str(tmp_path / "runs")
+    assert cli.main(["edit", dataset, "-o", out, "--num-shards", "1", "--dp", "2", "--device", "cpu", "--steps", "1",
+                     "--max-new-tokens", "2", "--greedy"]) == 0
+    err = capfd.readouterr().err
+    assert "--data-parallel-size 2: 1 shard(s) to run, so 1 model copy (--num-shards 2 or more gives each one " \
+        "work;" in err, err

@@ -46,3 +46,36 @@ def test_the_job_eta_takes_the_latest_step_of_each_kind(monkeypatch):
     replicas.latest_s = {"AR": 30.0, "DiT": 40.0}
     replicas.steps_done = 3
     assert replicas._job().endswith("ETA 5 min")  # 36 x 35 s over 4 copies at once
+
+
+def test_a_lost_replica_is_said_and_its_redone_steps_are_counted():
+    """Issue 35: a replica killed in a shard's DiT step gave the shard back; the AR step it had
+    finished ran again on another replica and the job read `5/4 shard steps`. The loss is a line of
+    its own, and the job's total grows by the steps that run again."""
+    out = io.StringIO()
+    log = LogProgress(stream=out, job_steps=4, replicas=2)
+    for label in ("AR  shard 0", "AR  shard 1"):
+        task = log.add_task(label, 2)
+        log.advance(task, 2)
+        log.finish(task)
+    log.redo("data-parallel replica 1: RankFailed: killed; shard 1 goes back to the queue", 1)
+    for label in ("DiT shard 0", "AR  shard 1", "DiT shard 1"):
+        task = log.add_task(label, 2)
+        log.advance(task, 2)
+        log.finish(task)
+    lines = out.getvalue().splitlines()
+    assert any(line.endswith("replica 1: RankFailed: killed; shard 1 goes back to the queue") for line in lines)
+    assert "job: 5/5 shard steps" in lines[-1], lines
+
+
+def test_a_rank_that_died_is_the_root_cause_not_its_neighbours_errors():
+    """Issue 35: of 9 killed pipeline stages, one was reported as another rank's unrelated
+    AttributeError (a neighbour failing on what the killed stage never sent)."""
+    from components.ranks import _root_cause
+
+    outcome = {0: ("error", "AttributeError: 'NoneType' object has no attribute 'shape'"),
+               1: ("error", "exited with code -9 (killed or crashed)"),
+               2: ("error", "RankLost: a tensor-parallel collective failed (RuntimeError: gloo: Connection closed)")}
+    assert _root_cause(outcome) == (1, "exited with code -9 (killed or crashed)")
+    del outcome[1]
+    assert _root_cause(outcome)[0] == 0  # without a dead rank: the one that raised on its own
