@@ -1,0 +1,80 @@
+"""The semantic judge on rendered scenes: the exact target passes every check, the unedited source
+(or a scene with the named thing changed) fails it."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from components.data import sample
+from components.evaluate import judge
+
+KINDS = list(sample.KIND_INSTRUCTIONS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_edit_target_passes_and_source_fails(kind):
+    rng = random.Random(f"judge-{kind}")
+    for _ in range(3):
+        source, target = sample.edit_example(rng, kind)
+        src, tgt = sample.render(source, 256), sample.render(target, 256)
+        instruction = sample.KIND_INSTRUCTIONS[kind]
+        good = judge.judge_edit(tgt.resize((128, 128)), src, tgt, instruction)
+        assert good.passed, good.detail
+        assert good.psnr > 30
+        bad = judge.judge_edit(src.resize((128, 128)), src, tgt, instruction)
+        assert not bad.passed, bad.detail
+        assert bad.check == kind
+
+
+def test_edit_of_another_kind_fails():
+    """Doing the wrong edit (snow instead of a purple sky) fails the purple-sky check."""
+    rng = random.Random("judge-wrong")
+    source, target = sample.edit_example(rng, "sky_purple")
+    wrong = sample.render(sample.apply_edit(source, "snow"), 128)
+    verdict = judge.judge_edit(wrong, sample.render(source, 128), sample.render(target, 128), "make the sky purple")
+    assert not verdict.passed, verdict.detail
+
+
+def test_unknown_instruction_is_not_judged():
+    scene = sample.random_scene(random.Random(0))
+    image = sample.render(scene, 64)
+    verdict = judge.judge_edit(image, image, image, "make it pop")
+    assert not verdict.passed and verdict.check == "unknown"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_caption_scene_passes_and_changed_scene_fails(seed):
+    scene = sample.random_caption_scene(random.Random(f"judge-t2i-{seed}"))
+    target = sample.render(scene, 256)
+    other_layout = dataclasses.replace(scene, shapes=tuple(dataclasses.replace(s, x=min(0.8, s.x * 0.7 + 0.1))
+                                                           for s in scene.shapes))
+    ok = judge.judge_generate(sample.render(other_layout, 128), target, scene)
+    assert ok.passed, ok.detail  # the layout is free: another arrangement of the same scene passes
+    other_sky = next(s for s in sample.SKY_COLORS if s != scene.sky)
+    changes = [dataclasses.replace(scene, sky=other_sky, sunset=False),
+               dataclasses.replace(scene, celestial="moon" if scene.celestial == "sun" else "sun"),
+               dataclasses.replace(scene, ground="snow" if scene.ground != "snow" else "grass")]
+    for changed in changes:
+        if changed.sunset != scene.sunset or (scene.sunset and changed.sky != scene.sky):
+            continue  # under sunset light the sky name does not show
+        verdict = judge.judge_generate(sample.render(changed, 128), target, scene)
+        assert not verdict.passed, (sample.caption(changed), verdict.detail)
+
+
+def test_caption_missing_shape_colour_fails():
+    rng = random.Random("judge-shapes")
+    scene = sample.random_caption_scene(rng)
+    bare = dataclasses.replace(scene, shapes=())
+    verdict = judge.judge_generate(sample.render(bare, 128), sample.render(scene, 128), scene)
+    assert not verdict.passed and "shape" in verdict.detail
+
+
+def test_summarize_counts_by_kind():
+    verdicts = [judge.Verdict(True, "snow", "", 25.0, 0.9), judge.Verdict(False, "snow", "", float("inf"), 0.5),
+                judge.Verdict(True, "t2i", "", 15.0, 0.7)]
+    summary = judge.summarize(verdicts)
+    assert summary["passed"] == 2 and summary["by_kind"] == {"snow": [1, 2], "t2i": [1, 1]}
+    assert summary["mean_psnr"] == pytest.approx(20.0)
