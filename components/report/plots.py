@@ -181,7 +181,7 @@ def place_labels(ax: Any, anchors: list[tuple[float, float, str]], fontsize: flo
             ann.remove()
         return ann, box
 
-    for x, y, text in sorted(anchors, key=lambda a: (a[1], a[0])):
+    for x, y, text in sorted(anchors, key=lambda a: (-a[1], a[0])):  # top first: the ∞ line has room above
         for step in [0, 1, -1, 2, -2, 3, -3, 4, -4, 5, -5, 6, -6, 7, -7, 8, -8]:
             ann, box = annotate(text, x, y, 3 + step * fontsize * 1.25)
             inside = box.y0 >= axes_box.y0 and box.y1 <= axes_box.y1
@@ -213,7 +213,7 @@ def speed_fidelity_figure(points: list[dict[str, Any]], psnr_min: float | None) 
         return None
     finite = [p["psnr"] for p in pts if math.isfinite(p["psnr"])]
     top = (max(finite + ([psnr_min] if psnr_min else [])) + 6) if finite else (psnr_min or 40) + 10
-    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 4.0))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 4.4))
     _style(ax)
     ax.axhline(top, color="#8c959f", linestyle=":", linewidth=1)
     if psnr_min is not None:
@@ -237,7 +237,7 @@ def speed_fidelity_figure(points: list[dict[str, Any]], psnr_min: float | None) 
     ax.set_xlim(max(0.0, lo - pad), hi + pad * 3.5)
     ys = [p["psnr"] for p in pts if math.isfinite(p["psnr"])] + [top]
     low = min(ys + ([psnr_min] if psnr_min else [])) - 4
-    ax.set_ylim(low, top + 3)
+    ax.set_ylim(low, top + max(3.0, 0.14 * (top - low)))  # room above the ∞ line for its labels
     ticks = [t for t in ax.get_yticks() if low <= t <= top - 3]
     ax.set_yticks([*ticks, top], [f"{t:g}" for t in ticks] + ["∞"])  # identical configs sit on the ∞ line
     ax.set_xlabel("time per image (s, median;\nbars: sample range)", fontsize=MIN_FONT_PT + 1, color="#24292f")
