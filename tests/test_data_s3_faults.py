@@ -140,6 +140,21 @@ def test_multipart_part_retried(s3_prefix, s3_env) -> None:
     assert hashlib.sha256(back).digest() == hashlib.sha256(data).digest()
 
 
+def test_a_multipart_put_and_a_get_retried_after_a_round_send_and_read_whole_bytes(s3_prefix) -> None:
+    """A retry after botocore's round starts the transfer again from the first byte: the upload
+    reads its data afresh (a reused reader sent nothing of it again), the download into a fresh buffer."""
+    data = os.urandom(12 * MiB)
+    parts = FaultInjector("UploadPart", failures=6, status=500, code="InternalError", skip=1)
+    store = _store(s3_prefix, parts, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=1)
+    store.put_bytes("again/multipart.bin", data)
+    assert parts.injected == 6
+    gets = FaultInjector("GetObject", failures=6, status=500, code="InternalError", skip=1)
+    reader = _store(s3_prefix, gets, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=1)
+    back = reader.get_bytes("again/multipart.bin")
+    assert gets.injected == 6 and len(back) == len(data)
+    assert hashlib.sha256(back).digest() == hashlib.sha256(data).digest()
+
+
 def test_permanent_503_gives_clear_error(s3_prefix) -> None:
     inj = FaultInjector("PutObject", failures=None)
     store = _store(s3_prefix, inj, max_attempts=3)

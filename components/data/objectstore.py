@@ -482,8 +482,11 @@ class S3ObjectStore(ObjectStore):
         while True:
             try:
                 result = fn(*args, **kwargs)
-                if failed:
-                    print(f"S3 {op} {self.url(key) if key else self.url()}: succeeded after {failed} failed "
+                if failed:  # and the last round's own retries, where the answer says (not a managed transfer's)
+                    last = result.get("ResponseMetadata", {}).get("RetryAttempts") if isinstance(result, dict) \
+                        else None
+                    count = f"{failed + last}" if last is not None else f"at least {failed}"
+                    print(f"S3 {op} {self.url(key) if key else self.url()}: succeeded after {count} failed "
                           f"attempt(s) over {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
                 return result
             except (ClientError, BotoCoreError, Boto3Error) as exc:
@@ -512,18 +515,21 @@ class S3ObjectStore(ObjectStore):
             return
         # Managed multipart upload: the object appears only when the upload completes, and
         # s3transfer aborts the upload on failure, so there is never a partial object.
-        self._call("put", key, self.client.upload_fileobj, io.BytesIO(data), self.bucket, self._key(key),
-                   Config=self._transfer_config())
+        # (a fresh reader for each try: a retry must not start where the failed upload stopped)
+        self._call("put", key, lambda: self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(key),
+                                                                  Config=self._transfer_config()))
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         self._call("put", key, self.client.upload_file, os.fspath(path), self.bucket, self._key(key),
                    Config=self._transfer_config())
 
     def get_bytes(self, key: str) -> bytes:
-        buf = io.BytesIO()
-        self._call("get", key, self.client.download_fileobj, self.bucket, self._key(key), buf,
-                   Config=self._transfer_config())
-        return buf.getvalue()
+        def download() -> bytes:  # into a fresh buffer each try: a failed one may have written part
+            buf = io.BytesIO()
+            self.client.download_fileobj(self.bucket, self._key(key), buf, Config=self._transfer_config())
+            return buf.getvalue()
+
+        return self._call("get", key, download)
 
     def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         # download_file writes to a temp name and renames, so `path` is never half-written.
