@@ -1,6 +1,8 @@
 """Turn what a user passes as `--model` into something the engine can load.
 
     tiny | hunyuan-image-3            a preset: config in code, random (dummy) weights
+    demo                              the small checkpoint the project trained on procedural scenes,
+                                      installed with the package (components/engine/assets/demo)
     /path/to/checkpoint               a directory in the official layout (config.json, shards, tokenizer)
     tencent/HunyuanImage-3.0-Instruct a Hugging Face repo id, resolved through the local HF cache only
 
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PRESETS = ("tiny", "hunyuan-image-3", "hunyuan-image-3-distil")
+DEMO = "demo"
+DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -31,6 +35,11 @@ class ResolvedModel:
 def resolve_model(model: str) -> ResolvedModel:
     if model in PRESETS:
         return ResolvedModel("preset", None, model)
+    if model == DEMO:
+        if not (DEMO_DIR / "config.json").is_file():
+            raise ModelNotFound(f"the demo checkpoint is not installed ({DEMO_DIR} has no config.json): reinstall "
+                                "ardit, or train it: python -m components.demo.train --out " + str(DEMO_DIR))
+        return ResolvedModel("dir", DEMO_DIR, DEMO)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -43,7 +52,8 @@ def resolve_model(model: str) -> ResolvedModel:
         raise ModelNotFound(f"--model {model} is a file, not a checkpoint directory")
     if "/" in model or model.startswith((".", "~")):
         raise ModelNotFound(f"checkpoint directory {model} does not exist")
-    raise ModelNotFound(f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}), a checkpoint directory "
+    raise ModelNotFound(f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}), {DEMO}, a checkpoint "
+                        "directory "
                         "or a Hugging Face repo id such as tencent/HunyuanImage-3.0-Instruct")
 
 
