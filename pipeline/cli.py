@@ -11,8 +11,8 @@ Nothing heavy is imported at module level (no torch, boto3, kfp): `ardit --help`
 from __future__ import annotations
 
 import os
-import shlex
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -90,9 +90,8 @@ DP = Annotated[Optional[int], typer.Option(
     "as many as the visible GPUs hold, GPUs / (tp x pp); 1 on the CPU)", rich_help_panel=MODEL)]
 Quantization = Annotated[Optional[str], typer.Option("--quantization", help="fp8 (default: none)",
                                                      rich_help_panel=MODEL)]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: the model "
-                                              "config's)",
-                                              rich_help_panel=MODEL)]
+Dtype = Annotated[Optional[str], typer.Option(
+    "--dtype", help="float32 | bfloat16 | float16 (default: the model config's)", rich_help_panel=MODEL)]
 Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N", rich_help_panel=MODEL)]
 Steps = Annotated[Optional[int], typer.Option("--steps", help=f"denoising steps ({FROM_CONFIG})",
                                               rich_help_panel=GENERATION)]
