@@ -103,7 +103,8 @@ def test_image_environment_from_its_requirements_passes_its_check(key, tmp_path)
     def run(*cmd: str, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env=env, cwd=tmp_path, capture_output=True, text=True, **kw)
 
-    pip = [python, "-m", "pip", "install", "-q", *_pip_source()]
+    # --no-compile: no bytecode for all of torch up front (CI time); what is installed is the same
+    pip = [python, "-m", "pip", "install", "-q", "--no-compile", *_pip_source()]
     for cmd in ([*pip, f"torch=={steps['torch']}"], [*pip, "-r", str(REPO / steps["requirements"])]):
         done = run(*cmd)
         assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stderr[-3000:]}"
