@@ -498,6 +498,9 @@ class S3ObjectStore(ObjectStore):
                 error = self._error(op, key, cause, failed, time.monotonic() - t0)
                 if not isinstance(error, TransientStorageError) or failed >= self.max_attempts:
                     raise error from exc
+                if rounds == 0:  # say why nothing happens for a while (a mistyped endpoint waits it all out)
+                    print(f"S3 {op} {self.url(key) if key else self.url()}: {type(cause).__name__}; retrying "
+                          f"for up to {self.max_attempts} attempts (ARDIT_S3_MAX_ATTEMPTS)", file=sys.stderr, flush=True)
             time.sleep(ROUND_BACKOFF_S[min(rounds, len(ROUND_BACKOFF_S) - 1)] * random.uniform(0.75, 1.25))
             rounds += 1
 
