@@ -10,9 +10,8 @@
     activations the largest forward (the AR prefill of the batch, or the DiT's CFG rows of image
                tokens) plus a workspace for the image stages (ViT / VAE at the base image size).
 
-The activation constants are calibrated on the full-size model in FP8 on one H200 (2026-11-24,
-docs/benchmarks.md: 88.8 GB weights; AR peak 97.4 GB at batch 1 and 107.7 GB at batch 8 of
-5196-token IT2I prompts; DiT peak 103.5 GB). The estimate is meant to say "no" early and name a
+The activation constants are calibrated on the full-size model in FP8 on one H200 (the peaks of
+its AR and DiT steps, docs/benchmarks.md "The full 80B model in FP8 on one H200"). The estimate is meant to say "no" early and name a
 layout that fits, not to size batches (the AR step does that once the weights are loaded).
 
 `check_fit` is called by the job's preflight on CUDA with the free memory of each GPU a model copy

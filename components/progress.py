@@ -75,9 +75,8 @@ class LogProgress:
         if now - task.last_log >= self.interval_s and task.done < task.total:
             task.last_log = now
             # The rate counts from the first finished rows, not the step's start: a step's first rows
-            # carry its compiles and, for the AR, the whole first batch's prefill (on 2 x H100 the
-            # first of 32 rows took 51 s and the other 31 the next 11 s; counted from the start, the
-            # ETA said 26 min).
+            # carry its compiles and, for the AR, the whole first batch's prefill: counted from the
+            # start, the ETA was several times too long.
             if first:
                 self._line(f"{task.label}: {task.done}/{task.total} rows, the first after {_duration(now - task.t0)}")
                 return
@@ -109,8 +108,8 @@ class LogProgress:
         left = max(0, self.job_steps - self.steps_done)
         if self.latest_s:
             # each step left takes what the last step of each kind took, the AR and DiT in turn: the
-            # job's first steps compile (on 2 x H100 the first AR shard took 118 s, the next 30 s), so
-            # a mean over every step so far stays high long after the steps have warmed up
+            # job's first steps compile (a first shard can take several times the next one), so a
+            # mean over every step so far stays high long after the steps have warmed up
             per_step = sum(self.latest_s.values()) / len(self.latest_s)
             eta = left * per_step / self.replicas
         else:  # only skipped steps so far (a resume)

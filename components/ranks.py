@@ -30,9 +30,9 @@ from typing import Any
 
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # The caching allocator maps and returns memory in pages instead of fixed segments, so a segment
-# that a few live tensors pin cannot keep the rest of it from the next step. Without it, the second
-# 32-row AR shard of a job found less free memory after the first shard's DiT (2 x H100, --pp 2,
-# 2026-11-27): its K/V pool held 30 rows, the other two decoded alone afterwards, AR 72 s against 48.
+# that a few live tensors pin cannot keep the rest of it from the next step. Without it, a job's
+# second AR shard found less free memory after the first shard's DiT: its K/V pool held fewer rows
+# and the rest decoded alone afterwards (docs/benchmarks.md, `--pp 2` third look).
 ALLOCATOR_CONF = "expandable_segments:True"
 
 

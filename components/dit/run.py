@@ -377,8 +377,8 @@ class _KVReader:
 
     def _remove(self, key: str, prefix: bool) -> str | None:
         """Everything under the shard's prefix, or one row's KV in whichever form the AR wrote (one
-        payload, or a part per head or layer: parts left for the shard's prefix delete cost the
-        2 x H100 PP2 job 7 s a shard after its last row, for 1 024 files). A failure raises, and
+        payload, or a part per head or layer: parts left for the shard's prefix delete, a thousand
+        files a shard under --pp, cost seconds after the shard's last row). A failure raises, and
         `_bounded` reports it."""
         from components.kvparts import delete_heads
 

@@ -1,10 +1,8 @@
 """torch.compile's and Triton's on-disk caches, kept in the job's storage so a fresh container starts warm.
 
 A step pod on a cluster starts with empty caches, so it compiles the model's compiled regions and
-Triton kernels again. On 2 x H100 with `--pp 2` (full-size model, FP8), the first AR shard of a
-process took 118 s against 28 s for the next one, and the first DiT shard 77 s against 44 s. The
-same job with the caches of an earlier run on that machine ran 221 s instead of 303 s
-(docs/benchmarks.md). So each step keeps its caches beside its outputs:
+Triton kernels again, which makes a process's first shards several times slower than the next
+ones (docs/benchmarks.md). So each step keeps its caches beside its outputs:
 
     attach(output, engine)   at engine load: fetch <output>/_compile_cache/<fingerprint>/rank<r>.tar,
                              if there is one, into a local directory, and point

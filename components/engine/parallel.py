@@ -136,7 +136,7 @@ class ParallelContext:
         work. NCCL makes a pair's link at its first send/recv and blocks the caller until the peer
         calls on that pair too: in the DiT wavefront the last stage's first send back comes long
         before stage 0's first receive back, and a stage blocked there while the other had a send
-        out to it was how the 80B model at --pp 2 hung in its first DiT step (2 x H200, 2026-11-26)."""
+        out to it was how the 80B model at --pp 2 hung in its first DiT step (docs/benchmarks.md)."""
         import torch.distributed as dist
 
         if self.pp_size == 1:
@@ -338,8 +338,8 @@ class RowParallelLinear(nn.Module):
 # Up to this many tokens (an AR decode step's batch: 1-64 rows, or a multiple of 64 for a large pool)
 # a rank's MoE runs all (token, slot) pairs through its own experts at static shapes, the others'
 # with weight 0: the sparse path reads the rank's token count back to the host, which a CUDA graph
-# cannot hold (the tensor-parallel decode graphs' captures all failed on it, 4-layer stack at
-# --tp 2 on two H100s, 2026-11-27). Twice the expert rows cost little at decode sizes, where
+# cannot hold (every tensor-parallel decode graph capture failed on it). Twice the expert rows
+# cost little at decode sizes, where
 # reading the experts' weights dominates (measured up to 32 rows; a larger pool, e.g. short T2I
 # prompts, reaches 128-256). Prefill chunks of image blocks and the DiT keep the sparse path.
 STATIC_ROUTING_TOKENS = 256

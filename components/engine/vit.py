@@ -166,8 +166,8 @@ def vision_config(cfg: ViTConfig) -> Siglip2VisionConfig:
 
 def vision_parameter_count(cfg: ViTConfig) -> int:
     """The parameters of `build_vision_model(cfg)`, counted without building it (so without importing
-    transformers: the job's memory check needs only this, and the import took 5 s of the checks'
-    14 s on the lent 2 x H100 machine). tests/test_fit.py checks it against the built tower."""
+    transformers: the job's memory check needs only this, and that import was a third of the
+    checks' time). tests/test_fit.py checks it against the built tower."""
     h, inter, c, p = cfg.hidden_size, cfg.intermediate_size, cfg.num_channels, cfg.patch_size
     linear = lambda n_in, n_out: n_in * n_out + n_out  # noqa: E731 - weight and bias
     norm = 2 * h

@@ -34,13 +34,12 @@ CAUSAL_SDPA = True
 # views of [B, T, H, D], the cache's K/V slices of a longer buffer); one layout also means one graph.
 CONTIGUOUS = True
 
-# `attention=auto` takes flex only from this many (query, key) pairs per call (B * T * S). On an
-# H100 at the per-rank heads of TP1 and TP2 (docs/benchmarks.md, 2026-11-25) SDPA with the dense
-# bool mask was faster for the DiT's reuse tail prefills (7-1 100 queries over 3-7k keys: flex
-# 1.5-3x slower, its 128-query tiles mostly padding) and for one-row prefills of 3-9k tokens whose
-# mask is nearly all one image block (flex 1.1-1.4x slower: few tiles to skip); flex won on the
-# DiT's CFG prefix, 2 x 6 796 tokens with a causal tail (92M pairs: 4.3 vs 5.0 ms, 2026-11-23), and
-# at 2 x 10 750 (231M: 6.8 vs 12.7 ms). `attention=flex` takes flex at every size.
+# `attention=auto` takes flex only from this many (query, key) pairs per call (B * T * S). Below it
+# SDPA with the dense bool mask measured faster: the DiT's reuse tail prefills (a few to ~1k queries
+# over a few thousand keys, where flex's 128-query tiles are mostly padding) and one-row prefills
+# whose mask is nearly all one image block (few tiles to skip). Flex wins on the DiT's CFG prefix
+# and larger calls. Measurements: docs/benchmarks.md ("Fast kernels at tensor-parallel head counts",
+# "Flex attention with block masks"). `attention=flex` takes flex at every size.
 FLEX_MIN_PAIRS = 64 * 2**20
 
 _compiled: Callable | None = None
@@ -75,7 +74,7 @@ def block_mask(dense: torch.Tensor, mask_mod: Callable, block: int | None = None
     tensor-parallel rank) whose elements `mask_mod` gives to the kernel.
 
     As create_block_mask, but from a dense mask made by broadcasting (a few passes over B*T*S
-    bytes) instead of vmap over mask_mod, which took ~100 ms at 2 x 10 750 tokens on an H100: tiles
+    bytes) instead of vmap over mask_mod, which is slow at DiT sequence lengths: tiles
     wholly visible are "full" (no mask_mod), tiles with some visible pairs "partial", the rest
     skipped; the ends are padded with hidden pairs, so edge tiles are partial.
     """

@@ -63,12 +63,8 @@ def decode_mode(model) -> str:
     `decode_graphs=auto` picks graphs for CUDA bf16; `on` forces the static step anywhere (eager on
     the CPU and in other dtypes, whose per-expert MoE loop reads counts back to the host and so
     cannot be captured). Pipeline stages graph their own layers, as one GPU does (`off`: the plain
-    step): on the full model in FP8 at --pp 2 (2 x H100, 2026-11-27, docs/benchmarks.md) warm 32-row
-    shards decoded at 39-40 ms a step, against 92-99 ms without graphs, with 0 fallbacks.
-    Tensor-parallel ranks capture each layer's NCCL all-reduces into the graph (not under pipeline
-    stages as well: those ranks decode plainly): on a full-width 4-layer stack at --tp 2 (two H100s,
-    2026-11-27, docs/benchmarks.md) a warm shard decoded at 5.9 ms a step against 13.5 ms plain,
-    and the full model's captures held, with 0 fallbacks."""
+    step). Tensor-parallel ranks capture each layer's NCCL all-reduces into the graph (not under
+    pipeline stages as well: those ranks decode plainly). What each gains: docs/benchmarks.md."""
     weight = model.model.wte.weight
     parallel = getattr(model, "parallel", None)
     if parallel is not None and parallel.world_size > 1 and parallel.pp_size > 1:
