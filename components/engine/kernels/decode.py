@@ -58,7 +58,8 @@ def batch_bucket(batch: int) -> int:
 
 
 def decode_mode(model) -> str:
-    """"plain" (ARGenerator._decode), "eager" (the static step without graphs) or "graphs".
+    """"plain", "eager" (the static step without graphs) or "graphs". The AR scheduler replays CUDA
+    graphs for "graphs" and runs the static step eagerly otherwise.
 
     `decode_graphs=auto` picks graphs for CUDA bf16; `on` forces the static step anywhere (eager on
     the CPU and in other dtypes, whose per-expert MoE loop reads counts back to the host and so
