@@ -367,7 +367,10 @@ app.command("generate", cls=_Command, help="Generate images: prompt per row -> i
 def sample_data(path: Annotated[str, typer.Argument(
                     metavar="PATH", help="where to write the Parquet file (or s3://...)")] = "sample_edit.parquet",
                 kind: Annotated[str, typer.Option("--kind", help="edit | generate")] = "edit",
-                rows: Annotated[int, typer.Option("--rows", "-n", help="number of rows")] = 8) -> None:
+                rows: Annotated[int, typer.Option("--rows", "-n", help="number of rows")] = 8,
+                targets: Annotated[bool, typer.Option(
+                    "--targets", help="add each row's exact target image and scene (columns target, "
+                                      "target_scene) for the semantic judge")] = False) -> None:
     """Write a small dataset of synthetic images and instructions (nothing downloaded)."""
     from components.data.sample import write_sample_edit_dataset, write_sample_generate_dataset
     from components.errors import ConfigError
@@ -377,7 +380,8 @@ def sample_data(path: Annotated[str, typer.Argument(
     if rows < 1:
         raise ConfigError(f"--rows {rows}: must be >= 1")
     try:
-        written = (write_sample_edit_dataset if kind == "edit" else write_sample_generate_dataset)(path, n=rows)
+        written = (write_sample_edit_dataset if kind == "edit" else write_sample_generate_dataset)(
+            path, n=rows, targets=targets)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write there ({exc.strerror or exc}); choose a path you can write") from None
     typer.echo(f"wrote {rows} {kind} rows to {written}")
