@@ -81,10 +81,6 @@ def erode(mask: np.ndarray, pixels: int = 1) -> np.ndarray:
     return np.asarray(image) > 0
 
 
-def render_array(scene: Scene, size: tuple[int, int]) -> np.ndarray:
-    return fit(sample.render(scene, max(size)), size)
-
-
 def differs(a: np.ndarray, b: np.ndarray, level: float = REGION_LEVEL) -> np.ndarray:
     return np.abs(a - b).mean(axis=2) > level
 
@@ -110,26 +106,10 @@ def sharpness(image: np.ndarray) -> float:
     return float(np.abs(lap).mean())
 
 
-def scene_masks(scene: Scene, size: tuple[int, int]) -> dict[str, np.ndarray]:
-    """Where the sky and the ground show (flat parts, borders eroded), found by re-rendering the scene
-    with another sky / ground colour and seeing which pixels change."""
-    plain = dataclasses.replace(scene, style="plain", sunset=False)
-    base = render_array(plain, size)
-    other_sky = "teal" if scene.sky != "teal" else "pink"
-    other_ground = "sand" if scene.ground != "sand" else "grass"
-    sky = differs(base, render_array(dataclasses.replace(plain, sky=other_sky), size), 10)
-    ground = differs(base, render_array(dataclasses.replace(plain, ground=other_ground), size), 10)
-    return {"sky": erode(sky, 2), "ground": erode(ground, 2)}
-
-
 def sky_palette(scene: Scene) -> dict[str, tuple[int, int, int]]:
     """The mid-sky colour of each sky name (the gradient's middle) and of a sunset sky."""
     mid = lambda pair: tuple((a + b) // 2 for a, b in zip(*pair, strict=True))  # noqa: E731
     return {**{name: mid(pair) for name, pair in sample.SKY_COLORS.items()}, "sunset": mid(sample.SUNSET_SKY)}
-
-
-def sky_name(image: np.ndarray, scene: Scene, masks: dict[str, np.ndarray]) -> str:
-    return nearest(mean_color(image, masks["sky"]), sky_palette(scene))
 
 
 # -- edits ----------------------------------------------------------------------------------------
@@ -284,3 +264,42 @@ def summarize(verdicts: list[Verdict]) -> dict:
             "mean_psnr": sum(finite) / len(finite) if finite else None,
             "mean_ssim": float(np.nanmean([v.ssim for v in verdicts])) if verdicts else None,
             "by_kind": by_kind}
+
+
+def judge_run(dataset: str, run: str) -> tuple[list[tuple[str, Verdict | None]], dict]:
+    """Judge every row of a finished run (`<output>/<run_id>`) against its dataset's targets:
+    [(row id, verdict or None when the row has no image)], and the summary of the verdicts."""
+    import pyarrow.parquet as pq
+
+    from components.evaluate.runio import load_run_rows, read_image
+
+    outputs = load_run_rows(run)
+    results: list[tuple[str, Verdict | None]] = []
+    for row in pq.read_table(dataset).to_pylist():
+        if row.get("target") is None:
+            continue
+        out = outputs.get(row["id"])
+        image = read_image(out) if out is not None else None
+        results.append((row["id"], judge_row(image, row) if image is not None else None))
+    return results, summarize([v for _, v in results if v is not None])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m components.evaluate.judge DATASET RUN_DIR: a line per row, then the summary."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("dataset", help="the run's input Parquet file, written with `ardit sample-data --targets`")
+    parser.add_argument("run", help="the run directory (<output>/<run_id>)")
+    args = parser.parse_args(argv)
+    results, summary = judge_run(args.dataset, args.run)
+    for row_id, v in results:
+        line = "no image" if v is None else f"{'pass' if v.passed else 'FAIL'} {v.psnr:5.1f} dB {v.check}: {v.detail}"
+        print(f"{row_id}  {line}")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
