@@ -127,3 +127,14 @@ def test_wrong_instruction_tokens_fail(engine, purple):
     wrong = dataclasses.replace(ar, user_text=sample.KIND_INSTRUCTIONS["snow"], prompt_kv=None,
                                 cot_text=f"<think>{think}</think><recaption>{recaption}</recaption>")
     assert not good(judge.judge_edit(run_dit(engine, wrong, [source], reuse=False), source, target, text))
+
+
+def test_demo_resolves_to_the_installed_checkpoint():
+    from components.engine.resolve import resolve_model
+
+    ref = resolve_model("demo")
+    assert (ref.kind, ref.path, ref.name) == ("dir", DEMO_DIR, "demo")
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "system_prompt.py", "train_meta.json"):
+        assert (DEMO_DIR / name).is_file(), name
+    size = sum(f.stat().st_size for f in DEMO_DIR.iterdir())
+    assert size <= 50 * 2**20, f"{size / 2**20:.1f} MiB"

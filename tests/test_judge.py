@@ -78,3 +78,30 @@ def test_summarize_counts_by_kind():
     summary = judge.summarize(verdicts)
     assert summary["passed"] == 2 and summary["by_kind"] == {"snow": [1, 2], "t2i": [1, 1]}
     assert summary["mean_psnr"] == pytest.approx(20.0)
+
+
+def test_sample_data_targets_are_the_exact_edits(tmp_path):
+    """`sample-data --targets`: each edit row's target is its source scene with the edit applied, and
+    the judge passes the target and fails the source; caption rows carry the scene they describe."""
+    import io
+
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    edit = pq.read_table(sample.write_sample_edit_dataset(str(tmp_path / "e.parquet"), n=10, size=96,
+                                                          targets=True)).to_pylist()
+    assert {r["instruction"] for r in edit} == set(sample.EDIT_INSTRUCTIONS)
+    for row in edit:
+        scene = sample.Scene.from_json(row["target_scene"])
+        assert row["target"] == sample.render_png(scene, 96)
+        target = Image.open(io.BytesIO(row["target"]))
+        assert judge.judge_row(target, row).passed
+        assert not judge.judge_row(Image.open(io.BytesIO(row["image"])), row).passed
+    gen = pq.read_table(sample.write_sample_generate_dataset(str(tmp_path / "g.parquet"), n=3,
+                                                             targets=True)).to_pylist()
+    for row in gen:
+        scene = sample.Scene.from_json(row["target_scene"])
+        assert row["prompt"] == sample.caption(scene)
+        assert judge.judge_row(Image.open(io.BytesIO(row["target"])), row).passed
+    plain = pq.read_table(sample.write_sample_edit_dataset(str(tmp_path / "p.parquet"), n=2))
+    assert "target" not in plain.column_names  # today's default columns
