@@ -105,3 +105,51 @@ def test_sample_data_targets_are_the_exact_edits(tmp_path):
         assert judge.judge_row(Image.open(io.BytesIO(row["target"])), row).passed
     plain = pq.read_table(sample.write_sample_edit_dataset(str(tmp_path / "p.parquet"), n=2))
     assert "target" not in plain.column_names  # today's default columns
+
+
+def _write_run(run, rows, images) -> None:
+    """A run directory as a job writes it: shards/0/rows.parquet and shards/0/images/{id}.png."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (run / "shards" / "0" / "images").mkdir(parents=True)
+    for row, image in zip(rows, images, strict=True):
+        if image is not None:
+            image.save(run / "shards" / "0" / "images" / f"{row['id']}.png")
+    pq.write_table(pa.Table.from_pylist([{"id": r["id"], "status": "ok"} for r in rows]),
+                   run / "shards" / "0" / "rows.parquet")
+
+
+def test_judge_run_and_the_sweep_gate(tmp_path):
+    """judge_run scores a run's images against the dataset's targets (a row without an image
+    counts against the pass rate), and a gated sweep config under judge_pass_min fails."""
+    import io
+
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from components.evaluate.gates import Thresholds
+    from components.sweep.runner import _judge
+
+    data = sample.write_sample_edit_dataset(str(tmp_path / "e.parquet"), n=4, size=64, targets=True)
+    rows = pq.read_table(data).to_pylist()
+    targets = [Image.open(io.BytesIO(r["target"])) for r in rows]
+    sources = [Image.open(io.BytesIO(r["image"])) for r in rows]
+    _write_run(tmp_path / "good", rows, targets)
+    _write_run(tmp_path / "bad", rows, [targets[0], sources[1], sources[2], None])
+    results, summary = judge.judge_run(data, str(tmp_path / "good"))
+    assert summary["passed"] == 4 and all(v.passed for _, v in results)
+    results, summary = judge.judge_run(data, str(tmp_path / "bad"))
+    assert summary["passed"] == 1 and results[3] == (rows[3]["id"], None)
+
+    class Config:
+        gated = True
+        thresholds = Thresholds.from_dict({"judge_pass_min": 0.75})
+
+    assert "judge pass ≥ 75%" in Config.thresholds.describe()
+    good = {"passed": True, "violations": []}
+    _judge(good, data, tmp_path / "good", Config)
+    assert good["passed"] and good["judge_pass_rate"] == 1.0
+    bad = {"passed": True, "violations": []}
+    _judge(bad, data, tmp_path / "bad", Config)
+    assert not bad["passed"] and bad["violations"] == ["judge pass 25% < 75%"]

@@ -41,6 +41,9 @@ class Thresholds:
     mean_abs_max: float | None = None
     p99_abs_max: float | None = None
     bitwise: bool | None = None
+    # per config: the share of rows the semantic judge passes (components/evaluate/judge.py), for
+    # datasets with targets (`dataset: {sample: edit, targets: true}`)
+    judge_pass_min: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Thresholds:
@@ -78,6 +81,8 @@ class Thresholds:
             parts.append(f"mean |Δ| ≤ {self.mean_abs_max:g}")
         if self.p99_abs_max is not None:
             parts.append(f"p99 |Δ| ≤ {self.p99_abs_max:g}")
+        if self.judge_pass_min is not None:
+            parts.append(f"judge pass ≥ {self.judge_pass_min:.0%}")
         return ", ".join(parts) or "no gates"
 
 

@@ -117,7 +117,7 @@ def run_sweep(
     states = job.run(spec.configs, runs, resume, previous)
     repeat_times = _timing_rounds(spec, job, states)
 
-    config_records, row_records = evaluate_sweep(spec, runs, states, log)
+    config_records, row_records = evaluate_sweep(spec, runs, states, log, dataset=dataset)
     timing = _timing(spec, config_records, repeat_times)
     log(noise_line(timing))
     budget = compute_budget(spec.configs, config_records, row_records)
@@ -281,6 +281,14 @@ def materialize_dataset(ds: str | dict[str, Any], sweep_dir: Path) -> str:
     from components.data.sample import EDIT_INSTRUCTIONS, GENERATE_PROMPTS, draw_scene
 
     kind, n, size = ds["sample"], int(ds.get("rows", 4)), int(ds.get("size", 64))
+    if ds.get("targets"):  # procedural scenes with their exact targets: the semantic judge scores the runs
+        from components.data.sample import write_sample_edit_dataset, write_sample_generate_dataset
+
+        path = sweep_dir / "dataset" / f"sample-{kind}-targets.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "edit":
+            return write_sample_edit_dataset(str(path), n=n, size=size, seed=int(ds.get("seed", 0)), targets=True)
+        return write_sample_generate_dataset(str(path), n=n, seed=int(ds.get("seed", 0)), targets=True)
     rng = random.Random(int(ds.get("seed", 0)))
     if kind == "edit":
         table = pa.table({
@@ -301,9 +309,12 @@ def materialize_dataset(ds: str | dict[str, Any], sweep_dir: Path) -> str:
 
 
 def evaluate_sweep(
-    spec: SweepSpec, runs: Path, states: dict[str, dict[str, Any]], log: Callable[[str], None] = print
+    spec: SweepSpec, runs: Path, states: dict[str, dict[str, Any]], log: Callable[[str], None] = print,
+    dataset: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Evaluate each config against its baseline (the reference against itself, ungated)."""
+    """Evaluate each config against its baseline (the reference against itself, ungated), and, when
+    the dataset carries targets, with the semantic judge (pass rate and PSNR against the targets)."""
+    judged = dataset is not None and "target" in pq.read_schema(dataset).names
     config_records: list[dict[str, Any]] = []
     row_records: list[dict[str, Any]] = []
     for cfg in spec.configs:
@@ -354,6 +365,8 @@ def evaluate_sweep(
                 if r["eval_status"] not in (OK, SIZE_MISMATCH)
             ]
             rec["passed"] = not rec["violations"]
+        if judged:
+            _judge(rec, dataset, runs / cfg.name, cfg)
         for r in rows:
             r["config"] = cfg.name
             r["role"] = cfg.role
@@ -365,8 +378,24 @@ def evaluate_sweep(
         log(
             f"[{cfg.name}] {rec['verdict']}{against}: {rec['rows_compared']}/{rec['rows']} rows compared, "
             f"PSNR min {fmt_db(rec['psnr_min'])} dB, bitwise {rec['bitwise_rows']}/{rec['rows']}"
+            + (f"; judge pass {rec['judge_pass_rate']:.0%}, {fmt_db(rec['judge_psnr'])} dB vs targets"
+               if "judge_pass_rate" in rec else "")
         )
     return config_records, row_records
+
+
+def _judge(rec: dict[str, Any], dataset: str, run: Path, cfg: Any) -> None:
+    """The semantic judge's pass rate and mean PSNR against the targets; a gated config under
+    `judge_pass_min` fails."""
+    from components.evaluate.judge import judge_run
+
+    results, summary = judge_run(dataset, str(run))
+    rate = summary["passed"] / len(results) if results else 0.0  # a row without an image fails
+    rec["judge_pass_rate"], rec["judge_psnr"] = rate, summary["mean_psnr"]
+    th = cfg.thresholds
+    if cfg.gated and th is not None and th.judge_pass_min is not None and rate < th.judge_pass_min:
+        rec["violations"] = [*rec.get("violations", []), f"judge pass {rate:.0%} < {th.judge_pass_min:.0%}"]
+        rec["passed"] = False
 
 
 def verdict_line(config_records: list[dict[str, Any]]) -> str:

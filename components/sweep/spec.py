@@ -39,7 +39,7 @@ TOP_LEVEL_KEYS = ("name", "description", "base", "grid", "reference", "threshold
                   "precision_budget", "timing")  # fmt: skip
 BUDGET_KEYS = ("determinism", "reuse_drift", "ar_diversity", "gate")
 TIMING_KEYS = ("repeats",)
-SAMPLE_DATASET_KEYS = ("sample", "rows", "size", "seed")
+SAMPLE_DATASET_KEYS = ("sample", "rows", "size", "seed", "targets")  # targets: for the semantic judge
 OVERRIDE_KEYS = ("name", "match", "thresholds", "gate")
 EXTRA_CONFIG_KEYS = ("name", "params", "thresholds")
 
