@@ -17,7 +17,8 @@ from components.data import sample
 from components.engine.resolve import DEMO_DIR
 from components.evaluate import judge
 
-pytestmark = pytest.mark.skipif(not (DEMO_DIR / "config.json").is_file(), reason="the demo checkpoint is not installed")
+pytestmark = [pytest.mark.skipif(not (DEMO_DIR / "config.json").is_file(), reason="the demo checkpoint is not installed"),
+              pytest.mark.slow]
 
 MIN_PSNR = 20.0
 
