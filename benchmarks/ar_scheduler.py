@@ -10,8 +10,9 @@ think_recaption, each row's CoT length forced from a lognormal (ARDIT_BENCH_COT_
 Arms, each through the engine's AR call with the prompt K/V exported (as the AR step; the store put
 is left out):
 
-- static8: the rows in batches of 8 (`ARGenerator.__call__`, what the AR step ran before): a batch
-  decodes until its longest CoT ends, the next batch waits;
+- static8: the rows in batches of 8, each through `Engine.generate_ar` (the scheduler, the 8 rows
+  admitted at once): a batch decodes until its longest CoT ends, the next batch waits (the static
+  batching the AR step ran before, in a loop of its own since removed);
 - cont8: the scheduler (`ARGenerator.stream`) capped at 8 rows in flight;
 - auto: the scheduler with `--batch-size auto` (rows in flight sized to `--gpu-memory-utilization`).
 

@@ -1,7 +1,7 @@
 """AR decode: plain eager step vs the static-shape step (kernels/decode.py), eager and as CUDA
 graph replays, on a full-dimension layer stack (dummy weights, bf16, under the AR's autocast) with
 6 800 cached tokens; the equality of graph and eager; the HBM floor; and the tiny model's AR end
-to end on the GPU (plain vs graphs: tokens and decode wall time).
+to end on the GPU through the AR scheduler (eager vs graphs: tokens and decode wall time).
 
     python benchmarks/decode_kernels.py --layers 4 --out decode.json
 """
@@ -251,57 +251,54 @@ def autocast_cache_hazard(model, b: int = 64) -> dict:
 
 
 def tiny_ar(dtype: str) -> dict:
-    """Tiny model on the GPU: plain vs static eager vs graphs, greedy tokens and decode time for a
-    32-token answer at batch 1 and 4; seeded sampling reproducible under graphs."""
+    """Tiny model on the GPU through the AR scheduler: the static step eager (decode_graphs=off) vs
+    replayed as CUDA graphs, greedy tokens and decode time for a 32-token answer at batch 1 and 4;
+    seeded sampling reproducible under graphs."""
     from components.engine import ARRequest, Engine, SamplingParams
-    from components.engine import ar as ar_module
 
     eng = Engine.load("tiny", device=DEVICE, dtype=dtype)
     prompts = ["a cat", "a watercolor painting of a golden horse near a river at sunset",
                "a red car", "a blue boat on the sea at night, stars"]
     greedy = SamplingParams(temperature=0, max_new_tokens=32)
     sampled = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=32)
-    real_mode = ar_module.decode_mode
     out: dict = {}
 
     def run(mode, batch, sp):
-        ar_module.decode_mode = (lambda model: mode) if mode != "auto" else real_mode
-        # bot_task auto: a text answer of 32 tokens unless the model writes <|endoftext|>
-        reqs = [ARRequest(f"r{i}", prompts[i], [], bot_task="auto", seed=i) for i in range(batch)]
-        eng.generate_ar(reqs, sp)  # warm-up (CUDA init, first-call allocations)
-        torch.cuda.synchronize()
-        times, res = [], None
-        for _ in range(3):
-            res = eng.generate_ar(reqs, sp)
-            times.append(res[0].timings["ar_decode_s"])
-        return res, min(times)
+        previous = kernels.configure(decode_graphs="on" if mode == "graphs" else "off")
+        try:
+            # bot_task auto: a text answer of 32 tokens unless the model writes <|endoftext|>
+            reqs = [ARRequest(f"r{i}", prompts[i], [], bot_task="auto", seed=i) for i in range(batch)]
+            eng.generate_ar(reqs, sp)  # warm-up (CUDA init, first-call allocations)
+            torch.cuda.synchronize()
+            times, res = [], None
+            for _ in range(3):
+                res = eng.generate_ar(reqs, sp)
+                times.append(res[0].timings["ar_decode_s"])
+            return res, min(times)
+        finally:
+            kernels.configure(previous)
 
     # fp32: the per-expert MoE loop syncs with the host, so the static step runs eagerly there
     fast = "graphs" if dtype == "bfloat16" else "eager"
-    try:
-        for batch in (1, 4):
-            toks = {}
-            for mode in ("plain", "eager", "graphs") if fast == "graphs" else ("plain", "eager"):
-                res, sec = run(mode, batch, greedy)
-                toks[mode] = [o.generated_ids for o in res]
-                steps = res[0].timings["ar_decode_steps"]
-                out[f"{dtype}_b{batch}_{mode}"] = {"decode_s": sec, "steps": steps,
-                                                   "ms_per_step": sec / max(steps, 1) * 1e3}
-            out[f"{dtype}_b{batch}_greedy_tokens"] = {
-                "graphs_eq_eager": toks["graphs"] == toks["eager"] if "graphs" in toks else None,
-                f"{fast}_eq_plain": toks[fast] == toks["plain"],
-                "lens": [len(t) for t in toks["plain"]],
-                "first_diff_vs_plain": [next((i for i, (a, b) in enumerate(zip(p, g)) if a != b), None)
-                                        for p, g in zip(toks["plain"], toks[fast])]}
-        a, _ = run(fast, 4, sampled)
-        b, _ = run(fast, 4, sampled)
-        single = [run(fast, 1, sampled)[0][0]]
-        out[f"{dtype}_sampled"] = {"same_seed_same_tokens": [x.generated_ids for x in a] == [x.generated_ids
-                                                                                              for x in b],
-                                   "row0_batch4_eq_batch1": a[0].generated_ids == single[0].generated_ids,
-                                   "differs_from_greedy": a[0].generated_ids != toks[fast][0]}
-    finally:
-        ar_module.decode_mode = real_mode
+    for batch in (1, 4):
+        toks = {}
+        for mode in ("eager", "graphs") if fast == "graphs" else ("eager",):
+            res, sec = run(mode, batch, greedy)
+            toks[mode] = [o.generated_ids for o in res]
+            steps = res[0].timings["ar_decode_steps"]
+            out[f"{dtype}_b{batch}_{mode}"] = {"decode_s": sec, "steps": steps,
+                                               "ms_per_step": sec / max(steps, 1) * 1e3}
+        out[f"{dtype}_b{batch}_greedy_tokens"] = {
+            "graphs_eq_eager": toks["graphs"] == toks["eager"] if "graphs" in toks else None,
+            "lens": [len(t) for t in toks["eager"]],
+            "first_diff_vs_eager": [next((i for i, (a, b) in enumerate(zip(p, g)) if a != b), None)
+                                    for p, g in zip(toks["eager"], toks[fast])]}
+    a, _ = run(fast, 4, sampled)
+    b, _ = run(fast, 4, sampled)
+    single = [run(fast, 1, sampled)[0][0]]
+    out[f"{dtype}_sampled"] = {"same_seed_same_tokens": [x.generated_ids for x in a] == [x.generated_ids for x in b],
+                               "row0_batch4_eq_batch1": a[0].generated_ids == single[0].generated_ids,
+                               "differs_from_greedy": a[0].generated_ids != toks[fast][0]}
     print("tiny", json.dumps(out), flush=True)
     return out
 

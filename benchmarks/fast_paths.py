@@ -231,7 +231,7 @@ def tiny_reuse() -> dict:
 
 @torch.no_grad()
 def prefill_decoded_cost(model, batch: int = 64, tokens: int = 256) -> dict:
-    """ar._prefill_decoded at full size: one chunk of `tokens` CoT tokens per row over the cached
+    """ARScheduler._write_decoded at full size (batched): one chunk of `tokens` CoT tokens per row over the cached
     prompt, per layer, next to the decode steps that produced them."""
     n, hidden = model.config.num_hidden_layers, model.config.hidden_size
     end = AR_KV + tokens

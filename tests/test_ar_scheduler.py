@@ -99,12 +99,15 @@ def test_batch_invariant_rows_are_bitwise_their_alone_selves(engine, forced):
 
 
 @pytest.mark.slow
-def test_the_scheduler_gives_the_static_batch_tokens(engine):
-    """Same rows through the static batch (ARGenerator.__call__) and the scheduler: same greedy CoTs."""
-    reqs = _requests(3)
-    static = engine.generate_ar(reqs, SamplingParams(temperature=0, max_new_tokens=8))
-    results, _ = _stream(engine, reqs, SamplingParams(temperature=0, max_new_tokens=8), Admission(max_rows=2))
-    assert [results[o.id].generated_ids for o in static] == [o.generated_ids for o in static]
+def test_generate_runs_the_list_as_one_batch_in_request_order(engine, forced, greedy_alone):
+    """Engine.generate_ar (tests, benchmarks, tools) is this scheduler with the whole list admitted
+    at once: the outputs come in request order, the rows share decode steps, and each row gets the
+    tokens it gets alone."""
+    reqs = _requests()[::-1]
+    outs = engine.generate_ar(reqs, GREEDY)
+    assert [o.id for o in outs] == [r.id for r in reqs]
+    assert max(o.timings["ar_batch_size"] for o in outs) > 2  # rows decoded together
+    assert [o.generated_ids for o in outs] == [greedy_alone[r.id].generated_ids for r in reqs]
 
 
 @pytest.mark.slow
@@ -174,14 +177,18 @@ def test_an_oom_allocating_the_pool_halves_it_and_fails_no_row(engine, monkeypat
     assert "OutOfMemoryError allocating a K/V pool of 3 row(s)" in stats["events"][0]
 
 
-def test_negative_control_an_oom_without_recovery_would_fail_rows(engine, monkeypatch):
-    """The same injected OOM on the static batch path fails the call: the recovery is the scheduler's."""
-    def boom(*a, **k):
+def test_negative_control_an_oom_that_never_ends_fails_every_row(engine, monkeypatch):
+    """The recovery is not unconditional: an OOM before every step (nothing ever fits) fails each
+    row alone as too large, naming the OOM; `generate_ar` raises the first row's failure."""
+    def boom(scheduler):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(ARGenerator, "_decode", boom)
-    with pytest.raises(torch.OutOfMemoryError, match=r"CUDA out of memory \(injected\)"):
+    monkeypatch.setattr(ar_scheduler, "fault_hook", boom)
+    with pytest.raises(RowTooLarge, match=r"row r0 does not fit alone: .* it ran out of GPU memory alone "
+                                          r"\(OutOfMemoryError: CUDA out of memory \(injected\)\)"):
         engine.generate_ar(_requests(2), GREEDY)
+    results, stats = _stream(engine, _requests(2), GREEDY, Admission(max_rows=2))
+    assert all(isinstance(results[r.id], RowTooLarge) for r in _requests(2)) and stats["failed"] == 2
 
 
 @pytest.mark.slow
@@ -264,7 +271,7 @@ def test_resume_retries_a_transient_row_but_not_a_bad_input_row(tmp_path, monkey
     layout = RunLayout.open(output, "rs")
     ids = [j.id for j in layout.shard_writer(0).pending()]
     bad, flaky = ids[1], ids[2]
-    real_prepare = ARGenerator._prepare
+    real_prepare = ARGenerator.prepare_row
 
     def prepare(self, req, cond=None):
         if req.id == bad:
@@ -275,7 +282,7 @@ def test_resume_retries_a_transient_row_but_not_a_bad_input_row(tmp_path, monkey
         if any(s.request.id == flaky for s in scheduler.running):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(ARGenerator, "_prepare", prepare)
+    monkeypatch.setattr(ARGenerator, "prepare_row", prepare)
     monkeypatch.setattr(ar_scheduler, "fault_hook", oom_with_flaky)
     steps = dict(max_new_tokens=4)
     result = run_ar(output, "rs", 0, **steps)

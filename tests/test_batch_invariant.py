@@ -2,10 +2,15 @@
 K/V) is bitwise the same whatever rows share its batch; the AR step records the setting, and a run
 resumed with the other setting is refused. Tiny model, CPU, float32 and bfloat16.
 
-Negative control: without the setting the same row's K/V differs in the last bits between two
-batches on this CPU, in both dtypes (padding to the longest row changes the attention and GEMM
-shapes), so the equality with the setting on is the mode's doing. The CoT tokens of this short
-tiny-model run happen to agree either way; only the K/V shows the difference here.
+The rows go through the AR scheduler, which prefills every row alone and writes its decoded tokens'
+K/V again by a prefill of the row alone before the export (ar.PREFILL_DECODED_KV); so that the
+exported K/V show what the decode steps computed, these tests export the decode steps' own K/V.
+
+Negative control: without the setting the target shares its decode steps with the rows beside it
+(with it, every decode step is one row's). The old static batch, which padded rows to the longest,
+changed the row's K/V bits with its batch; under the scheduler (rows prefilled alone, a static-shape
+decode step) this CPU gave the same bits either way in most runs, so the control checks how the
+row ran, not its bits. The CoT tokens of this short tiny-model run agree either way.
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ def _batches() -> tuple[list[ARRequest], list[ARRequest]]:
     a = [target, ARRequest("n1", "a cat", [], bot_task="think_recaption", seed=1),
          ARRequest("n2", "a watercolor painting of a golden horse near a river at sunset, with soft light and "
                    "long shadows over the hills", [], bot_task="think_recaption", seed=2)]
-    b = [ARRequest("m1", "make the sky purple", [random_image(160, 96, seed=1)], bot_task="think_recaption",
-                   seed=3), target]
+    b = [ARRequest("m0", "a dog", [], bot_task="think_recaption", seed=4), target,
+         ARRequest("m1", "make the sky purple", [random_image(160, 96, seed=1)], bot_task="think_recaption", seed=3)]
     return a, b
 
 
-def _target_in_both(engine: Engine, mode: str):
+def _target_in_both(engine: Engine, mode: str, monkeypatch):
+    from components.engine import ar as ar_module
+
+    monkeypatch.setattr(ar_module, "PREFILL_DECODED_KV", False)  # export the decode steps' own K/V
     previous = kernels.configure(batch_invariant=mode)
     try:
         a, b = _batches()
@@ -51,8 +59,8 @@ def engine(request):
     return Engine.load("tiny", seed=0, dtype=request.param)
 
 
-def test_row_is_bitwise_independent_of_its_batch(engine):
-    out_a, out_b = _target_in_both(engine, "on")
+def test_row_is_bitwise_independent_of_its_batch(engine, monkeypatch):
+    out_a, out_b = _target_in_both(engine, "on", monkeypatch)
     assert out_a.prompt_ids == out_b.prompt_ids
     assert out_a.generated_ids == out_b.generated_ids and out_a.cot_text == out_b.cot_text
     assert out_a.ratio_index == out_b.ratio_index
@@ -64,20 +72,20 @@ def test_row_is_bitwise_independent_of_its_batch(engine):
     assert ka[0].abs().max() > 0.1  # real data
 
 
-def test_without_the_mode_the_kv_depends_on_the_batch(engine, monkeypatch):
-    """Negative control (see the module docstring)."""
+def test_without_the_mode_rows_share_decode_steps(engine, monkeypatch):
+    """Negative control (see the module docstring): without the mode the target shares its decode
+    steps with its neighbours, and its K/V stay within rounding of the other batch's."""
     # the CoT kept in the tokenizer (ids past it are sampled, as officially, but leave the re-encoded
-    # CoT, and with them the decoded tokens leave the exported K/V, where the difference shows)
+    # CoT, and with them the decoded tokens leave the exported K/V)
     logits, known = engine.model.text_logits, engine.tokenizer.vocab_size
     monkeypatch.setattr(engine.model, "text_logits", lambda h: logits(h).index_fill(
         -1, torch.arange(known, engine.model.config.vocab_size, device=h.device), float("-inf")))
-    out_a, out_b = _target_in_both(engine, "off")
+    out_a, out_b = _target_in_both(engine, "off", monkeypatch)
     assert out_a.prompt_ids == out_b.prompt_ids
-    assert out_a.timings["ar_batch_size"] == 3 and out_b.timings["ar_batch_size"] == 2
+    assert out_a.timings["ar_batch_size"] > 1 and out_b.timings["ar_batch_size"] > 1  # decode steps shared
     ka, kb = _kv_tensors(out_a), _kv_tensors(out_b)
     assert all(x.shape == y.shape for x, y in zip(ka, kb))
-    assert not all(torch.equal(x, y) for x, y in zip(ka, kb))
-    # ... and only in the last bits: the rows are the same computation
+    # at most the last bits apart: the rows are the same computation
     tol = 1e-5 if ka[0].dtype == torch.float32 else 5e-2
     assert max((x.float() - y.float()).abs().max().item() for x, y in zip(ka, kb)) <= tol
 

@@ -15,7 +15,7 @@ from components.engine.ar import ARGenerator
 from components.engine.generation_config import tiny_generation_config
 from components.engine.system_prompts import TINY_SYSTEM_PROMPTS
 
-from .test_engine_helpers import psnr, random_image, stub_vae_decode, tiny_engine
+from .test_engine_helpers import psnr, random_image, script_sampled_tokens, stub_vae_decode, tiny_engine
 
 IMG = random_image(160, 96, seed=1)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
@@ -59,7 +59,8 @@ def test_batched_rows_generate_the_same_tokens_as_single_rows(runs, mode):
         assert b.generated_ids == s.generated_ids
         assert b.ratio_index == s.ratio_index and b.image_size == s.image_size
         assert b.cot_text == s.cot_text
-    assert batched[0].timings["ar_batch_size"] == 3 and single[0].timings["ar_batch_size"] == 1
+    # the three rows really decoded together (mean rows per decode step), each single row alone
+    assert max(o.timings["ar_batch_size"] for o in batched) > 1 and single[0].timings["ar_batch_size"] == 1
 
 
 def test_sampling_is_not_greedy(runs):
@@ -123,12 +124,14 @@ def _script(monkeypatch, tokens):
     it = iter(tokens)
     calls = []
 
-    def fake(self, logits, sampling, generator):
+    plain_word = tiny_engine().tokenizer.encode("cat")[0]
+
+    def scripted() -> int:
         token = next(it, None)
         calls.append(token)
-        return token if token is not None else self.tok.encode("cat")[0]
+        return token if token is not None else plain_word
 
-    monkeypatch.setattr(ARGenerator, "_sample", fake)
+    script_sampled_tokens(monkeypatch, scripted)
     return calls
 
 
@@ -262,14 +265,14 @@ def test_defaults_come_from_the_generation_config(engine, monkeypatch):
     gc = tiny_generation_config().with_overrides(max_new_tokens=11, bot_task="recaption",
                                                  use_system_prompt="en_vanilla")
     ar = ARGenerator(engine.model, tok, engine.builder, generation_config=gc)
-    out = ar([ARRequest("d", "a cat")])[0]
+    out = ar.generate([ARRequest("d", "a cat")])[0]
     assert out.bot_task == "recaption" and len(out.generated_ids) == 11
     assert out.system_prompt == TINY_SYSTEM_PROMPTS["en_vanilla"].strip()
     assert out.prompt_ids[1:1 + len(tok.encode(out.system_prompt))] == tok.encode(out.system_prompt)
     # request values win over the config
-    none = ar([ARRequest("n", "a cat", system_prompt="none", bot_task="image")])[0]
+    none = ar.generate([ARRequest("n", "a cat", system_prompt="none", bot_task="image")])[0]
     assert none.system_prompt == "" and none.prompt_ids[1:3] == tok.encode("User: ")[:2]
-    custom = ar([ARRequest("c", "a cat", system_prompt="  Draw well.  ", bot_task="image")])[0]
+    custom = ar.generate([ARRequest("c", "a cat", system_prompt="  Draw well.  ", bot_task="image")])[0]
     assert custom.system_prompt == "Draw well."
 
 
@@ -390,17 +393,20 @@ def test_ids_past_the_tokenizer_are_sampled_and_decoded_as_officially(engine, mo
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
     logits[unknown] = 30.0
     greedy = SamplingParams(temperature=0, max_new_tokens=4).resolved(ar.generation_config)
-    assert ar._sample(logits, greedy, torch.Generator()) == unknown
     assert DeviceSampler(greedy, ar.tok.ratio_choice_ids, [torch.Generator()])(logits[None], [True])[0][1] == unknown
     sampled = SamplingParams(temperature=1.0, top_k=20, top_p=1.0, max_new_tokens=4).resolved(ar.generation_config)
     flat = torch.zeros(vocab)
     flat[known - 10:known + 10] = 5.0  # the top 20 straddle the tokenizer's end
     hf = torch.softmax(TopKLogitsWarper(20)(None, flat[None].clone())[0], -1)
+
+    def ours(seed: int) -> int:
+        return DeviceSampler(sampled, ar.tok.ratio_choice_ids, [torch.Generator().manual_seed(seed)])(
+            flat[None], [True])[0][1]
+
     for seed in range(8):  # the same draws as HF's sampling from the same stream
         g = torch.Generator().manual_seed(seed)
-        ours = ar._sample(flat, sampled, torch.Generator().manual_seed(seed))
-        assert ours == int(torch.multinomial(hf, 1, generator=g))
-    assert any(ar._sample(flat, sampled, torch.Generator().manual_seed(s)) >= known for s in range(8))
+        assert ours(seed) == int(torch.multinomial(hf, 1, generator=g))
+    assert any(ours(s) >= known for s in range(8))
 
     official = PreTrainedTokenizerFast(tokenizer_object=ar.tok._backend)
     ids = ar.tok.encode("a red fox") + [unknown, known] + ar.tok.encode(" at dawn")

@@ -47,3 +47,17 @@ def stub_vae_decode(monkeypatch) -> None:
     from components.engine.dit import DiTGenerator
 
     monkeypatch.setattr(DiTGenerator, "decode", lambda self, latents: Image.new("RGB", (16, 16)))
+
+
+def script_sampled_tokens(monkeypatch, next_token) -> None:
+    """Every token the AR samples becomes `next_token()` (the scheduler's DeviceSampler keeps its
+    greedy ratio choice; forced tokens are never sampled, so they consume nothing)."""
+    from components.engine.kernels.decode import DeviceSampler
+
+    real = DeviceSampler.__call__
+
+    def scripted(self, logits, sample_rows, generators=None):
+        picks = real(self, logits, sample_rows, generators)
+        return [(ratio, next_token() if draw else token) for (ratio, token), draw in zip(picks, sample_rows)]
+
+    monkeypatch.setattr(DeviceSampler, "__call__", scripted)

@@ -19,7 +19,7 @@ import torch
 from components.engine import ARRequest, DiTRequest, SamplingParams
 from components.engine.dit import DiTGenerator
 
-from .test_engine_helpers import psnr, random_image, tiny_engine
+from .test_engine_helpers import psnr, random_image, script_sampled_tokens, tiny_engine
 
 _REAL_DECODE = DiTGenerator.decode
 BOT_TASKS = ["think_recaption", "think", "recaption", "image"]
@@ -152,13 +152,11 @@ def test_reencoded_cot_reuses_the_common_prefix(engine, monkeypatch, no_decode):
     """The AR writes a CoT in single-character tokens; the DiT re-encodes its text (official), so its
     tokens differ from the AR's inside the CoT. The AR's K/V is reused up to the first difference and
     the rest is recomputed: still equal to recompute."""
-    from components.engine.ar import ARGenerator
-
     tok = engine.tokenizer
     chars = [tok.token_id(c) for c in "cat"]
     assert None not in chars and tok.encode("cat") != chars  # "cat" has a merged token
     script = iter(chars + [tok.think_end] + chars + [tok.recaption_end])
-    monkeypatch.setattr(ARGenerator, "_sample", lambda self, logits, sampling, generator: next(script))
+    script_sampled_tokens(monkeypatch, lambda: next(script))
     out = engine.generate_ar([ARRequest("reenc", "make the sky purple", [IMG_WIDE])],
                              SamplingParams(temperature=0, max_new_tokens=64))[0]
     assert out.cot_text == "<think>cat</think><recaption>cat</recaption>"
@@ -178,7 +176,7 @@ def test_drop_think_switched_system_prompt_reuses_what_matches(engine, no_decode
 
     ar = ARGenerator(engine.model, engine.tokenizer, engine.builder, engine.model_id,
                      tiny_generation_config().with_overrides(drop_think=True))
-    out = ar([ARRequest("drop", "make the sky purple", [IMG_WIDE])], GREEDY)[0]
+    out = ar.generate([ARRequest("drop", "make the sky purple", [IMG_WIDE])], GREEDY)[0]
     assert out.drop_think and out.system_prompt == TINY_SYSTEM_PROMPTS["en_recaption"]
     assert out.cot_text.startswith("<recaption>") and "<think>" not in out.cot_text
     seq = _seq(engine, out)

@@ -185,62 +185,36 @@ def test_grouped_attention_equals_gqa():
 
 
 # --------------------------------------------------------------------------- the AR end to end
-def test_plain_decode_choosing_on_the_device_generates_the_host_tokens(engine, monkeypatch):
-    """The plain decode (pipeline stages, tensor-parallel ranks) picks tokens on the device on GPUs
-    (per-row host sampling cost more than the model's step there); on the CPU with the rows' own
-    generators that is the same choice as the host sampler's."""
-    previous = kernels.configure(decode_graphs="off")
-    try:
-        host = engine.generate_ar(_requests(), SAMPLED)
-        engine.ar.device_sampling = True
-        monkeypatch.setattr(ARGenerator, "_sample", lambda *a: pytest.fail("sampled on the host"))
-        device = engine.generate_ar(_requests(), SAMPLED)
-    finally:
-        engine.ar.device_sampling = None
-        kernels.configure(previous)
-    assert len({len(o.generated_ids) for o in host}) >= 2
-    assert [o.generated_ids for o in device] == [o.generated_ids for o in host]
-
-
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_static_decode_generates_the_plain_tokens(engine, sampling, static_decode):
-    """Batched (5 rows -> bucket 8, left padding, rows finishing at different steps). Greedy: same
-    tokens. Sampled: the same tokens too, since on the CPU the device sampler draws from each row's
-    own generator exactly when the plain sampler does, with the same algorithm."""
-    static = engine.generate_ar(_requests(), sampling)
-    kernels.configure(decode_graphs="off")
-    plain = engine.generate_ar(_requests(), sampling)
-    assert len({len(o.generated_ids) for o in plain}) >= 2  # rows really stop at different steps
-    for s, p in zip(static, plain):
-        assert s.generated_ids == p.generated_ids, s.id
-        assert s.answer_text == p.answer_text and s.cot_text == p.cot_text
-        if p.prompt_kv is None:
-            assert s.prompt_kv is None
-            continue
-        assert s.prompt_kv.token_ids == p.prompt_kv.token_ids
-        for x, y in zip(s.prompt_kv.keys + s.prompt_kv.values, p.prompt_kv.keys + p.prompt_kv.values):
-            assert x.shape == y.shape and (x - y).abs().max().item() <= 1e-5
-
-
-def test_forced_tokens_mid_cot_consume_no_draw(engine, monkeypatch, static_decode):
+# (The static step's logits equal the plain step's: test_static_step_logits_match_the_plain_step;
+# the device sampler picks HF's tokens: test_device_sampler_picks_what_hf_sampling_picks. The AR has
+# one loop, the scheduler, which runs the static step on every device.)
+def test_forced_tokens_mid_cot_consume_no_draw(engine, monkeypatch):
     """A stage transition in the middle of sampling (here: the row's first sampled token forces two
-    tokens): the forced steps draw nothing on either path, so the sampled tokens after them agree."""
-    kernels.configure(decode_graphs="off")
+    tokens): the forced steps draw nothing from the row's stream; only its sampled tokens do."""
     first = engine.generate_ar([_requests()[1]], SAMPLED)[0].generated_ids[0]
-    real_prepare = ARGenerator._prepare
+    real_prepare, real_advance, real_sampler = ARGenerator.prepare_row, ARGenerator.advance, DeviceSampler.__call__
+    hows, draws = [], []
 
     def prepare(self, req, cond=None):
         row = real_prepare(self, req, cond)
         row.transitions[first] = self.tok.encode("a b")
         return row
 
-    monkeypatch.setattr(ARGenerator, "_prepare", prepare)
-    plain = engine.generate_ar(_requests(), SAMPLED)
-    kernels.configure(decode_graphs="on")
-    static = engine.generate_ar(_requests(), SAMPLED)
-    assert plain[1].generated_ids[1:3] == engine.ar.tok.encode("a b")  # the forced tokens, mid-CoT
-    assert len(plain[1].generated_ids) > 4
-    assert [o.generated_ids for o in static] == [o.generated_ids for o in plain]
+    def advance(self, row, sampling, picked, how=None):
+        hows.append(how if how is not None else self.choice(row, sampling))
+        return real_advance(self, row, sampling, picked, how)
+
+    def sampler(self, logits, sample_rows, generators=None):
+        draws.append(sum(sample_rows))
+        return real_sampler(self, logits, sample_rows, generators)
+
+    monkeypatch.setattr(ARGenerator, "prepare_row", prepare)
+    monkeypatch.setattr(ARGenerator, "advance", advance)
+    monkeypatch.setattr(DeviceSampler, "__call__", sampler)
+    out = engine.generate_ar([_requests()[1]], SAMPLED)[0]
+    assert out.generated_ids[:3] == [first] + engine.ar.tok.encode("a b")  # the forced tokens, mid-CoT
+    assert hows[:3] == ["sample", "pending", "pending"] and len(out.generated_ids) > 4
+    assert sum(draws) == hows.count("sample")  # a draw for each sampled token, none for the forced
 
 
 def test_static_sampled_rows_are_reproducible_and_batch_independent(engine, static_decode):
@@ -288,10 +262,18 @@ def test_negative_control_warp_without_top_p_differs():
                            torch.isinf(_hf_warped(logits, sp)))
 
 
-def test_device_sampler_picks_what_the_plain_sampler_picks(engine):
-    """Same logits, generators seeded alike: greedy and sampled tokens equal ARGenerator._sample's
+def _hf_sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator) -> int:
+    """HF `generate`'s choice of one token: greedy argmax, else warped scores then multinomial."""
+    if sp.greedy:
+        return int(logits.float().argmax())
+    probs = torch.softmax(_hf_warped(logits.float()[None], sp)[0], dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def test_device_sampler_picks_what_hf_sampling_picks(engine):
+    """Same logits, generators seeded alike: greedy and sampled tokens equal HF sampling's
     (torch.multinomial's one-sample draw is argmax(p / q), q ~ Exp(1), from the same stream). Rows
-    that do not sample leave their generator untouched, as the plain path never calls _sample."""
+    that do not sample leave their generator untouched."""
     ar: ARGenerator = engine.ar
     vocab = ar.tok.vocab_size
     logits = _logits(batch=6, vocab=vocab + 24)
@@ -308,7 +290,7 @@ def test_device_sampler_picks_what_the_plain_sampler_picks(engine):
                     assert torch.equal(gens[b].get_state(), states[b])
                     continue
                 g = torch.Generator().manual_seed(100 * trial + b)
-                assert picked[b][1] == ar._sample(logits[b], sp, g)
+                assert picked[b][1] == _hf_sample(logits[b], sp, g)
                 assert picked[b][0] == ratio_ids[int(logits[b, ratio_ids].argmax())]
 
 

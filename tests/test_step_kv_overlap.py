@@ -172,7 +172,7 @@ def test_failing_ar_step_deletes_what_it_put(tmp_path, monkeypatch):
     dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=3, seed=4)
     output, run_id = str(tmp_path / "out"), "fail"
     run_shard(dataset, output, run_id, 1, "generate")
-    real_finish, real_put = ARGenerator._finish, ar_run._BackgroundPuts._put
+    real_finish, real_put = ARGenerator.finish_row, ar_run._BackgroundPuts._put
     finished, put = [], []
 
     def second_row_dies(self, row, b, cache):
@@ -185,7 +185,7 @@ def test_failing_ar_step_deletes_what_it_put(tmp_path, monkeypatch):
         put.append(key)
         return real_put(self, key, kv)
 
-    monkeypatch.setattr(ARGenerator, "_finish", second_row_dies)
+    monkeypatch.setattr(ARGenerator, "finish_row", second_row_dies)
     monkeypatch.setattr(ar_run._BackgroundPuts, "_put", recorded_put)
     store = open_store(default_kv_store(output, run_id))
     with pytest.raises(KeyboardInterrupt, match="^$"):  # as Ctrl-C: no message

@@ -17,48 +17,48 @@ the remaining budget only just fits the closing tokens (end tags, forced transit
 are forced.
 
 The kept CoT is the official `cot_text`: the trigger tag + the generated tokens through the first
-end token, decoded to text; the DiT re-encodes it through the template. Rows of different lengths
-are left-padded; padding keys are masked, so a row's tokens do not depend on its batch except
-through rounding: the GEMMs and attention run over other shapes (more rows, padded lengths, other
-per-expert token counts), so K/V and logits differ in the last bits and a CoT can drift. With the
-kernel setting `batch_invariant=on` (`--batch-invariant`) every row runs as its own batch of one, so
-its tokens and K/V are bitwise independent of its batch and shard (cost: decode steps are no longer
-shared; see benchmarks/moe_kernels.py).
+end token, decoded to text; the DiT re-encodes it through the template.
 
-`ARGenerator.__call__` runs its requests as one static batch (above); `ARGenerator.stream` runs the
-same row logic with continuous batching (ar_scheduler.py: rows join and leave the decode batch, each
-prefilled alone in chunks, K/V in per-row slots), which is what the AR step uses.
+There is one AR loop: ar_scheduler.py's continuous batching (rows join and leave the decode batch,
+each prefilled alone in chunks, K/V in per-row slots). `ARGenerator.stream` runs it for the AR step;
+`ARGenerator.generate` (`Engine.generate_ar`) runs it over a list and returns the outputs in order.
+This module holds a row's logic, which the scheduler drives: `prepare_row`, then per token `choice`
+(how the next token is chosen) and `advance` (take it), and `finish_row` (the AROutput, the K/V).
 
-Where `decode_graphs` selects it (auto: CUDA bf16, not tensor and pipeline parallel at once), the
-decode runs the static-shape step of kernels/decode.py, replayed as CUDA graphs, and picks every
-row's token on the device. Sampled tokens then follow each row's CUDA generator, seeded with the
-row's seed: the same seed gives the same tokens, but not the tokens of the CPU path, whose stream is
-the CPU generator's.
+A row's tokens do not depend on the other rows in flight except through rounding: the GEMMs and
+attention run over other shapes (more rows, other per-expert token counts), so K/V and logits differ
+in the last bits and a CoT can drift. With the kernel setting `batch_invariant=on`
+(`--batch-invariant`) every row decodes as its own batch of one, so its tokens and K/V are bitwise
+independent of its batch and shard (cost: decode steps are no longer shared; see
+benchmarks/moe_kernels.py).
+
+The decode runs the static-shape step of kernels/decode.py (replayed as CUDA graphs where
+`decode_graphs` selects it) and picks every row's token on the device (DeviceSampler, HF
+`generate`'s temperature -> top-k -> top-p semantics). On the CPU a row samples from its own CPU
+generator, seeded with the row's seed; on a GPU from a CUDA generator of that seed: the same seed
+gives the same tokens, but not the tokens of the CPU.
 """
 
 from __future__ import annotations
 
 import copy
-import time
 import zlib
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from PIL import Image
 
-from . import kernels
 from .ar_scheduler import Admission, ARScheduler
 from .generation_config import GenerationConfig, tiny_generation_config
-from .inputs import EncodedImage, embed_span, encode_cond_images, request_generator
-from .kernels.decode import DeviceSampler, StaticDecoder, batch_bucket, decode_mode
+from .inputs import EncodedImage, encode_cond_images, request_generator
 from .kvcache import PromptKV
 from .sequence import CondImage, Sequence, SequenceBuilder, first_difference, parse_image_size
 from .system_prompts import TINY_SYSTEM_PROMPTS, resolve_system_prompt
 from .tokenizer import Tokenizer
-from .transformer import HunyuanImage3ForCausalMM, SlotMask, attention_mask
+from .transformer import HunyuanImage3ForCausalMM
 
-# After a static-step (CUDA graph) decode, write the decoded tokens' K/V again with one prefill
-# chunk, so the exported K/V come from the same kernels as the DiT's recompute (_prefill_decoded).
+# Before a row's K/V is exported, write its decoded tokens' K/V again with one prefill chunk, so they
+# come from the same kernels as the DiT's recompute (ARScheduler._write_decoded).
 PREFILL_DECODED_KV = True
 
 IMAGE_TASKS = ("image", "recaption", "think", "think_recaption")
@@ -166,7 +166,7 @@ def request_seed(seed: int | None, request_id: str) -> int:
 
 
 @dataclass
-class _Row:
+class ARRow:
     request: ARRequest
     bot_task: str
     system_prompt: str
@@ -194,7 +194,7 @@ class ForcedCot:
     of that median (sigma ln(HI/LO) / 4, clamped to [LO, HI]), drawn from a hash of the row id, so a
     row gets the same length in every run and arm. Random weights would end a CoT at an arbitrary
     token: until the length, the special tokens (end tags, ratio tokens, ...) are never sampled;
-    at it, the row closes its stages as when its budget runs out (`ARGenerator._how`); a length
+    at it, the row closes its stages as when its budget runs out (`ARGenerator.choice`); a length
     shorter than that closing path (end tags, forced transitions, ratio token) gets the path."""
 
     ENV = "ARDIT_BENCH_COT_TOKENS"
@@ -246,7 +246,6 @@ class ARGenerator:
         self.system_prompts = system_prompts or TINY_SYSTEM_PROMPTS
         self.forced_cot: ForcedCot | None = None  # benchmarks: ARDIT_BENCH_COT_TOKENS (the AR step sets it)
         self._banned: list[int] | None = None
-        self.device_sampling: bool | None = None  # the plain decode's choice of tokens; None: on GPUs only
 
     @property
     def prefill_decoded_kv(self) -> bool:
@@ -276,42 +275,28 @@ class ARGenerator:
         with self.model.autocast():
             return scheduler.run(requests, on_result)
 
-    # -- public -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def __call__(self, requests: list[ARRequest], sampling: SamplingParams | None = None,
-                 export_kv: bool = True) -> list[AROutput]:
-        if len(requests) > 1 and kernels.settings().batch_invariant == "on":
-            # each row alone: no other row's length, padding or expert loads reach its numbers
-            return [out for r in requests for out in self([r], sampling, export_kv)]
-        sampling = (sampling or SamplingParams()).resolved(self.generation_config)
-        with self.model.autocast():  # the official AR runs under CUDA autocast in the model dtype
-            rows = [self._prepare(r) for r in requests]
-            mode = decode_mode(self.model)  # plain, or the static step (eager or CUDA graphs)
-            t0 = time.perf_counter()
-            cache, logits, valid = self._prefill(rows, sampling,
-                                                 None if mode == "plain" else batch_bucket(len(rows)))
-            t1 = time.perf_counter()
-            start = cache.length
-            if mode == "plain":
-                steps = self._decode(rows, cache, logits, valid, sampling)
-            else:
-                steps = self._decode_static(rows, cache, logits, valid, sampling, mode == "graphs")
-                if export_kv and PREFILL_DECODED_KV:
-                    self._prefill_decoded(rows, cache, valid, start)
-            t2 = time.perf_counter()
+    def generate(self, requests: list[ARRequest], sampling: SamplingParams | None = None,
+                 export_kv: bool = True, admission=None) -> list[AROutput]:
+        """Every request's AROutput, in request order, through the scheduler (`stream`); the
+        failure of the first row that failed is raised once every row has run. `admission`:
+        default, the whole list in flight at once (this device's K/V budget permitting)."""
+        if admission is None:
+            admission = Admission.for_model(self.model, batch_size=max(1, len(requests)))
+        index = {id(r): i for i, r in enumerate(requests)}
+        if len(index) != len(requests):
+            raise ValueError("generate: the same ARRequest object is listed twice")
+        results: list = [None] * len(requests)
+        self.stream(requests, lambda req, out: results.__setitem__(index[id(req)], out), sampling, export_kv,
+                    admission)
+        for out in results:
+            if isinstance(out, BaseException):
+                raise out
+        return results
 
-        outputs = []
-        for b, row in enumerate(rows):
-            out = self._finish(row, b, cache if export_kv else None)
-            out.timings = {"ar_prefill_s": t1 - t0, "ar_decode_s": t2 - t1, "ar_batch_size": len(rows),
-                           "ar_decode_steps": steps, "prompt_tokens": len(row.seq.cond_ids),
-                           "generated_tokens": len(row.generated)}
-            outputs.append(out)
-        return outputs
-
-    # -- stages -------------------------------------------------------------------------------
-    def _prepare(self, req: ARRequest, cond: list[EncodedImage] | None = None) -> _Row:
-        """The request's row; `cond`: its conditioning images already encoded (else encoded here)."""
+    # -- a row's life, driven by the scheduler: prepare_row, then choice / advance per token, finish_row
+    def prepare_row(self, req: ARRequest, cond: list[EncodedImage] | None = None) -> ARRow:
+        """The request's row: its prompt, stage transitions and stop tokens (a bad request raises
+        ValueError); `cond`: its conditioning images already encoded (else encoded here)."""
         tok, gc = self.tok, self.generation_config
         bot_task = req.bot_task or gc.bot_task
         if bot_task not in (*IMAGE_TASKS, "auto"):
@@ -357,121 +342,18 @@ class ARGenerator:
             stop = {"think_recaption": {tok.recaption_end}, "recaption": {tok.recaption_end},
                     "think": {tok.think_end, tok.recaption_end}, "image": set()}[bot_task]
         gen = torch.Generator().manual_seed(request_seed(req.seed, req.id))
-        row = _Row(req, bot_task, system_prompt, seq, cond, gen, transitions, stop, closing,
+        row = ARRow(req, bot_task, system_prompt, seq, cond, gen, transitions, stop, closing,
                    size_id if need_ratio and bot_task != "auto" else None, fixed_ratio, last=seq.cond_ids[-1])
         row.done = bot_task == "image" and not need_ratio  # a fixed size needs no AR token (official)
         if self.forced_cot is not None:
             row.forced_length = self.forced_cot.length(req.id)
         return row
 
-    def _prefill(self, rows: list[_Row], sampling: SamplingParams, cache_rows: int | None = None):
-        """cache_rows: batch rows to allocate in the KV cache (the static decode's padded bucket)."""
-        model, tok = self.model, self.tok
-        length = max(len(r.seq.cond_ids) for r in rows)
-        budget = sampling.max_new_tokens + 16  # forced closing tokens may exceed a tiny budget
-        batch = len(rows)
-        x = model.embed_ids(torch.full((batch, length), tok.pad, device=model.device)).clone()
-        positions = torch.zeros(batch, length, 2, dtype=torch.float64)
-        blocks = torch.full((batch, length), -1, dtype=torch.long)
-        valid = torch.zeros(batch, length + budget, dtype=torch.bool)  # which cache slots hold real tokens
-        for b, row in enumerate(rows):
-            n = len(row.seq.cond_ids)
-            row.offset = length - n
-            x[b, row.offset:] = embed_span(model, row.seq.cond_ids, row.seq, 0, n, row.cond)
-            positions[b, row.offset:] = row.seq.positions()
-            blocks[b, row.offset:] = row.seq.block_ids()
-            valid[b, row.offset:length] = True
-        slots = torch.arange(length).expand(batch, length)
-        mask = SlotMask(slots, slots, blocks, blocks, valid[:, :length]).to(model.device)
-        cache = model.new_cache(batch, valid.shape[1], cache_rows)
-        hidden = model.forward_layers(x, positions.to(model.device), mask, cache)
-        cache.commit()
-        return cache, model.text_logits(hidden[:, -1]), valid
-
-    def _decode(self, rows: list[_Row], cache, logits: torch.Tensor, valid: torch.Tensor,
-                sampling: SamplingParams) -> int:
-        model, tok = self.model, self.tok
-        # On a GPU the rows' tokens are chosen on the device, one host copy per step: per-row host
-        # sampling over the 133k vocabulary (`_sample`) costs more than a decode step of the model
-        # there (pipeline stages and tensor-parallel ranks decode here). The CPU keeps `_sample`.
-        on_device = model.device.type == "cuda" if self.device_sampling is None else self.device_sampling
-        sampler = self._device_sampler(rows, sampling) if on_device else None
-        steps = 0
-        while True:
-            if sampler is not None:
-                next_ids = self._choose_on_device(rows, logits, sampling, sampler)
-            else:
-                next_ids = [self._next_token(row, logits[b], sampling) for b, row in enumerate(rows)]
-            if all(t is None for t in next_ids):
-                return steps
-            slot = cache.length
-            feed = torch.tensor([[t if t is not None else tok.pad] for t in next_ids], device=model.device)
-            for b, t in enumerate(next_ids):
-                valid[b, slot] = t is not None  # finished rows feed a masked pad
-            positions = torch.tensor([[[slot - r.offset] * 2] for r in rows], dtype=torch.float64)
-            k_slots = torch.arange(slot + 1).expand(len(rows), slot + 1)
-            q_slots = torch.full((len(rows), 1), slot)
-            no_block = torch.full((len(rows), slot + 1), -1)
-            mask = attention_mask(q_slots, k_slots, no_block[:, :1], no_block, valid[:, :slot + 1])
-            hidden = model.forward_layers(model.embed_ids(feed), positions.to(model.device),
-                                          mask.to(model.device), cache)
-            cache.commit()
-            logits = model.text_logits(hidden[:, -1])
-            steps += 1
-
-    def _prefill_decoded(self, rows: list[_Row], cache, valid: torch.Tensor, start: int) -> None:
-        """Recompute the K/V of the decoded tokens as one prefill chunk over the cached prompt.
-
-        The decode step's attention kernel is not the prefill's, so its K/V differ from what the
-        DiT's recompute path computes in the last bf16 bits, and the difference grows through the
-        denoising (38 dB reuse vs recompute on the tiny model, T2I, H100). Written again by a
-        prefill, the exported K/V come from the same kernels as the recompute. Costs one prefill of
-        the CoT length per AR batch (a decode step reads the weights once per token, the chunk
-        once for all of them). Tokens already chosen are not touched."""
-        model = self.model
-        fed = [row.generated[:-1] for row in rows]  # the last token (a stop) is recorded, never fed
-        steps = cache.length - start
-        if steps == 0:
-            return
-        if max(len(f) for f in fed) != steps:
-            raise RuntimeError(f"decode wrote {steps} slots, the rows fed {max(len(f) for f in fed)} tokens")
-        batch, end = len(rows), cache.length
-        ids = torch.full((batch, steps), self.tok.pad, dtype=torch.long)
-        valid = valid[:, :end].clone()
-        valid[:, start:] = False
-        for b, tokens in enumerate(fed):
-            ids[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            valid[b, start:start + len(tokens)] = True
-        slots = torch.arange(end)
-        positions = (slots[start:].view(1, -1) - torch.tensor([r.offset for r in rows]).view(-1, 1))
-        positions = positions.to(torch.float64).unsqueeze(-1).expand(batch, steps, 2)
-        no_block = torch.full((batch, end), -1)
-        mask = SlotMask(slots[start:].expand(batch, -1), slots.expand(batch, -1), no_block[:, start:], no_block,
-                        valid).to(model.device)
-        cache.length = start
-        model.forward_layers(model.embed_ids(ids.to(model.device)), positions.to(model.device), mask, cache)
-        cache.commit()
-
-    def _decode_static(self, rows: list[_Row], cache, logits: torch.Tensor, valid: torch.Tensor,
-                       sampling: SamplingParams, graphs: bool) -> int:
-        """`_decode` with the static-shape step (CUDA graphs where `graphs`) and the choice of
-        every row's token on the device: one host copy per step (kernels/decode.py)."""
-        model = self.model
-        decoder = StaticDecoder(model, cache, valid, [r.offset for r in rows], self.tok.pad, graphs)
-        sampler = self._device_sampler(rows, sampling)
-        steps = 0
-        while True:
-            next_ids = self._choose_on_device(rows, logits, sampling, sampler)
-            if all(t is None for t in next_ids):
-                return steps
-            logits = decoder.step(next_ids)
-            steps += 1
-
     def cond_generator(self, req: ARRequest) -> torch.Generator:
         """The stream the request's conditioning latents are drawn from."""
         return request_generator(self.model, request_seed(req.seed, req.id))
 
-    def sampling_generator(self, row: _Row) -> torch.Generator:
+    def sampling_generator(self, row: ARRow) -> torch.Generator:
         """The row's sampling stream for `DeviceSampler`: its own generator on the CPU, on a GPU a
         device generator seeded with the row's seed (so every rank and stage draws alike)."""
         device = self.model.device
@@ -479,26 +361,13 @@ class ARGenerator:
             return row.generator
         return torch.Generator(device).manual_seed(request_seed(row.request.seed, row.request.id))
 
-    def _device_sampler(self, rows: list[_Row], sampling: SamplingParams) -> DeviceSampler:
-        generators = [self.sampling_generator(r) for r in rows]
-        return DeviceSampler(sampling, self.tok.ratio_choice_ids, generators, self.banned_ids())
-
-    def _choose_on_device(self, rows: list[_Row], logits: torch.Tensor, sampling: SamplingParams,
-                          sampler: DeviceSampler) -> list[int | None]:
-        """Every row's next token (None: finished), the sampled and ratio choices made by `sampler`."""
-        how = [None if r.done else self._how(r, sampling) for r in rows]
-        picked = [None] * len(rows)
-        if any(h in ("ratio", "sample") for h in how):
-            picked = sampler(logits, [h == "sample" for h in how])
-        return [self._next_token(row, None, sampling, picked[b], how[b]) for b, row in enumerate(rows)]
-
     @staticmethod
-    def _limit(row: _Row, sampling: SamplingParams) -> int:
+    def _limit(row: ARRow, sampling: SamplingParams) -> int:
         """The row's budget of generated tokens (a forced CoT length caps it)."""
         return sampling.max_new_tokens if row.forced_length is None else min(sampling.max_new_tokens,
                                                                              row.forced_length)
 
-    def _how(self, row: _Row, sampling: SamplingParams) -> str | int:
+    def choice(self, row: ARRow, sampling: SamplingParams) -> str | int:
         """How a live row's next token is chosen: "pending" (a forced stage transition), "ratio"
         (the greedy ratio choice), a closing token id (out of budget), or "sample"."""
         if row.pending:  # official stage-transition processor
@@ -511,23 +380,21 @@ class ARGenerator:
                 return closing[0]  # out of budget: close the CoT (see module docstring)
         return "sample"
 
-    def _next_token(self, row: _Row, logits: torch.Tensor | None, sampling: SamplingParams,
-                    picked: tuple[int, int] | None = None, how: str | int | None = None) -> int | None:
-        """Pick the row's next token; None when the row is finished (or just finished: the stop
-        token is recorded but never fed). `picked`: the (ratio choice, sampled token) the device
-        computed for this row (`_decode_static`); else they come from `logits`. `how`: `_how`'s
-        answer when the caller already asked it."""
+    def advance(self, row: ARRow, sampling: SamplingParams, picked: tuple[int, int] | None,
+                how: str | int | None = None) -> int | None:
+        """Take the row's next token; None when the row is finished (or just finished: the stop
+        token is recorded but never fed). `picked`: the (greedy ratio choice, sampled token) the
+        scheduler's DeviceSampler computed for this row; needed when `choice` says "ratio" or
+        "sample". `how`: `choice`'s answer when the caller already asked it."""
         if row.done:
             return None
-        how = how if how is not None else self._how(row, sampling)
+        how = how if how is not None else self.choice(row, sampling)
         if how == "pending":
             token = row.pending.pop(0)
-        elif how == "ratio":
-            choice = self.tok.ratio_choice_ids
-            # official force_greedy ratio slice
-            token = picked[0] if picked is not None else choice[int(logits[choice].float().argmax())]
-        elif how == "sample":
-            token = picked[1] if picked is not None else self._sample(logits, sampling, row.generator)
+        elif how in ("ratio", "sample"):
+            if picked is None:
+                raise ValueError(f"row {row.request.id}: its next token is a {how} choice and none was picked")
+            token = picked[0] if how == "ratio" else picked[1]  # ratio: the official force_greedy slice
         else:
             token = how
         row.generated.append(token)
@@ -540,7 +407,7 @@ class ARGenerator:
             return None
         return token
 
-    def _closing_path(self, row: _Row) -> list[int]:
+    def _closing_path(self, row: ARRow) -> list[int]:
         """The shortest token path from the row's state to its stop: pending forced tokens, the
         remaining end tags in order (with their transitions), the ratio token."""
         path: list[int] = []
@@ -566,28 +433,8 @@ class ARGenerator:
             last = t
         return path
 
-    def _sample(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
-        """HF `generate`'s sampling over the whole output vocabulary (ids past the tokenizer's length
-        included, as the official pipeline): greedy argmax, or temperature -> top-k -> top-p then
-        multinomial."""
-        from transformers.generation.logits_process import (
-            TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
-
-        scores = logits.float().cpu().clone().unsqueeze(0)
-        banned = self.banned_ids()
-        if banned:
-            scores[:, banned] = float("-inf")
-        if sampling.greedy:
-            return int(scores[0].argmax())
-        scores = TemperatureLogitsWarper(sampling.temperature)(None, scores)
-        if sampling.top_k and sampling.top_k > 0:
-            scores = TopKLogitsWarper(sampling.top_k)(None, scores)
-        if sampling.top_p is not None and sampling.top_p < 1.0:
-            scores = TopPLogitsWarper(sampling.top_p)(None, scores)
-        probs = torch.softmax(scores[0], dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator))
-
-    def _finish(self, row: _Row, b: int, cache) -> AROutput:
+    def finish_row(self, row: ARRow, b: int, cache) -> AROutput:
+        """The finished row's AROutput; with `cache` (its K/V in batch row `b`), its prompt K/V too."""
         tok, req = self.tok, row.request
         footprints = [c.footprint for c in row.cond]
         out = AROutput(id=req.id, user_text=req.prompt, system_prompt=row.system_prompt, bot_task=row.bot_task,
@@ -614,7 +461,7 @@ class ARGenerator:
             out.prompt_kv = self._export(row, b, cache, seq)
         return out
 
-    def _cot_text(self, row: _Row) -> tuple[str, str]:
+    def _cot_text(self, row: ARRow) -> tuple[str, str]:
         """(cot_text, system prompt) as the official generate_image: the trigger tag + the decoded
         generated tokens through the first end token; drop_think keeps the recaption part only and
         switches a system prompt to en_recaption."""
@@ -634,7 +481,7 @@ class ARGenerator:
                 system_prompt = self.system_prompts["en_recaption"]  # official: not stripped here
         return cot_text, system_prompt
 
-    def _export(self, row: _Row, b: int, cache, full: Sequence) -> PromptKV | None:
+    def _export(self, row: ARRow, b: int, cache, full: Sequence) -> PromptKV | None:
         """K/V of the cond row's first pos_reuse_len tokens, as [tokens, kv_heads, head_dim] per layer."""
         n = full.pos_reuse_len
         if n == 0:

@@ -59,7 +59,7 @@ from .transformer import KVCache, SlotMask
 
 CPU_ROWS = 8  # rows in flight on the CPU with --batch-size auto (no memory probe there)
 DEFAULT_BATCHED_TOKENS = 2048  # prefill chunk (--max-num-batched-tokens)
-CLOSING_MARGIN = 16  # forced closing tokens may exceed a tiny budget (as ARGenerator._prefill)
+CLOSING_MARGIN = 16  # K/V slots past max_new_tokens: forced closing tokens may exceed a tiny budget
 
 
 # tests: called before every scheduler step with the scheduler; may raise torch.OutOfMemoryError
@@ -162,7 +162,7 @@ class _Seq:
 
     request: Any  # ARRequest
     order: int
-    row: Any = None  # ar._Row once prepared
+    row: Any = None  # ar.ARRow once prepared
     slot: int = -1
     length: int = 0  # cache slots of its row filled
     need: int = 0  # cache capacity it needs (tokens)
@@ -230,7 +230,8 @@ class SchedulerStats:
 
 
 class ARScheduler:
-    """Runs requests through `ARGenerator`'s row logic with continuous batching (module docstring)."""
+    """Runs requests through `ARGenerator`'s row logic (prepare_row, choice, advance, finish_row)
+    with continuous batching (module docstring). The only AR loop."""
 
     def __init__(self, ar, sampling, admission: Admission, export_kv: bool = True) -> None:
         from .kernels.decode import decode_mode
@@ -300,7 +301,7 @@ class ARScheduler:
         A failure inside a forward then cannot be recovered by this rank alone: the others wait in
         the forward's collectives (a later stage for this stage's hand-off), and a rank that retried
         on its own would pair its next forward with their old one. So the step fails instead, the
-        pool stops every rank, and a resume runs its rows again. Bad input fails in `_prepare` on
+        pool stops every rank, and a resume runs its rows again. Bad input fails in `prepare_row` on
         every rank alike and stays a row error."""
         parallel = getattr(self.model, "parallel", None)
         return parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1)
@@ -371,7 +372,7 @@ class ARScheduler:
                 self._encode_ahead()
             if seq.cond_error is not None:
                 raise seq.cond_error
-            seq.row = self.ar._prepare(seq.request, seq.cond)
+            seq.row = self.ar.prepare_row(seq.request, seq.cond)
         except Exception as e:  # noqa: BLE001
             if is_out_of_memory(e):
                 raise
@@ -556,7 +557,7 @@ class ARScheduler:
         if not rows:
             return
         ar, sampling = self.ar, self.sampling
-        hows = {s.slot: (None if s.row.done else ar._how(s.row, sampling)) for s in rows}
+        hows = {s.slot: (None if s.row.done else ar.choice(s.row, sampling)) for s in rows}
         top = max(hows) + 1
         picked: dict[int, Any] = {}
         if any(h in ("ratio", "sample") for h in hows.values()):
@@ -565,7 +566,7 @@ class ARScheduler:
             picked = dict(zip(range(lo, top), self.sampler(self.logits[lo:top], sample_rows, gens)))
         feed: dict[int, int] = {}
         for seq in rows:
-            token = ar._next_token(seq.row, None, sampling, picked.get(seq.slot), hows[seq.slot])
+            token = ar.advance(seq.row, sampling, picked.get(seq.slot), hows[seq.slot])
             if token is None:
                 self._finish(seq)
             else:
@@ -584,10 +585,11 @@ class ARScheduler:
             self.stats.capture_s += dt
         self.stats.decode_steps += 1
         self.stats.decode_row_steps += len(feed)
+        shared = 1 if kernels.settings().batch_invariant == "on" else len(feed)  # rows of each row's step
         for slot in feed:
             seq = self.slots[slot]
             seq.steps += 1
-            seq.batch_sum += len(feed)
+            seq.batch_sum += shared
             seq.decode_s += dt / len(feed)
 
     def _step(self, feed: dict[int, int], lo: int, hi: int) -> None:
@@ -634,7 +636,7 @@ class ARScheduler:
         t0 = time.perf_counter()
         if self.export_kv and self.prefill_decoded and row.generated[:-1]:
             self._write_decoded(seq)
-        out = self.ar._finish(row, seq.slot, self.pool if self.export_kv else None)
+        out = self.ar.finish_row(row, seq.slot, self.pool if self.export_kv else None)
         self.stats.finish_s += time.perf_counter() - t0
         out.timings = {"ar_prefill_s": seq.prefill_s, "ar_decode_s": seq.decode_s,
                        "ar_batch_size": round(seq.batch_sum / seq.steps, 3) if seq.steps else 1,
@@ -646,7 +648,10 @@ class ARScheduler:
 
     def _write_decoded(self, seq: _Seq) -> None:
         """The decoded tokens' K/V written again by one prefill chunk over the prompt, so the exported
-        K/V come from the prefill kernels, as the DiT's recompute (see ARGenerator._prefill_decoded)."""
+        K/V come from the prefill kernels, as the DiT's recompute (ar.PREFILL_DECODED_KV). The decode
+        step's attention kernel is not the prefill's, so its K/V differ from the recompute's in the
+        last bf16 bits, and the difference grows through the denoising. Costs one prefill of the
+        CoT length per row; tokens already chosen are not touched."""
         fed = seq.row.generated[:-1]
         start, n = seq.prompt_len, len(fed)
         if seq.length != start + n:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .ar import ARGenerator, AROutput, ARRequest, SamplingParams
+from .ar_scheduler import Admission
 from .config import HunyuanImage3Config, get_config
 from .dit import DiTGenerator, DiTOutput, DiTRequest
 from .quant import is_fp8_checkpoint, load_pretrained_fp8, quantize_model_fp8_
@@ -110,8 +111,9 @@ class Engine:
         return self.model.kv_hash()
 
     def generate_ar(self, requests: list[ARRequest], sampling: SamplingParams | None = None,
-                    export_kv: bool = True) -> list[AROutput]:
-        return self.ar(requests, sampling, export_kv)
+                    export_kv: bool = True, admission: Admission | None = None) -> list[AROutput]:
+        """The requests through the AR scheduler (`ARGenerator.generate`), outputs in request order."""
+        return self.ar.generate(requests, sampling, export_kv, admission)
 
     def generate_dit(self, requests: list[DiTRequest]) -> list[DiTOutput]:
         return [self.dit(r) for r in requests]
