@@ -160,6 +160,13 @@ class RankPool:
             time.sleep(0.05)
         return outcome[0][1]
 
+    def restart(self) -> None:
+        """Stop the ranks (a failed call broke their process group) and start fresh ones on the same
+        devices; each loads its engines again. A job's step that an AR OOM failed goes on so."""
+        self.__exit__(None, None, None)
+        self.broken = False
+        self.__enter__()
+
     def _collect(self, outcome: dict) -> None:
         """Record every reported result, and every rank that died without reporting."""
         while not self.results.empty():

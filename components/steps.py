@@ -513,16 +513,18 @@ def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_para
     pipeline_parallel_size P, N * P > 1 (or a CFG-parallel DiT), on N * P rank processes: every
     rank computes, rank 0 reads and writes. `pool`: a components.ranks.RankPool that outlives this
     step (a job's shards then share the ranks' engines; a data-parallel replica is one, even of one
-    rank); without one the ranks start and stop with the step. Returns rank 0's result."""
+    rank); without one the ranks start and stop with the step. Returns rank 0's result. An AR OOM
+    inside a forward of the ranks fails them with a halved budget kept in the run: the ranks (the
+    pool's too) start again and run the step from it, at most MAX_OOM_RESTARTS times."""
     import importlib
 
     world = int(kwargs.get("tensor_parallel_size") or 1)
     stages = int(kwargs.get("pipeline_parallel_size") or 1)
     if stages > 1:
         check_pipeline_stages(kwargs.get("model", "tiny"), stages)
-    if pool is not None:
-        return pool.run(target, kwargs, progress)
-    if world == 1 and stages == 1 and not cfg_parallel:
+    global _running_step
+    _running_step = kwargs  # what an interrupted step program says was committed (step_main)
+    if pool is None and world == 1 and stages == 1 and not cfg_parallel:
         module, _, name = target.partition(":")
         return getattr(importlib.import_module(module), name)(**kwargs, progress=progress)
     from components.ranks import RankFailed, run_on_ranks
@@ -531,6 +533,8 @@ def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_para
     while True:
         budget = _ar_budget(kwargs)
         try:
+            if pool is not None:
+                return pool.run(target, kwargs, progress)
             return run_on_ranks(target, kwargs, world, kwargs.get("device", "cpu"), cfg_parallel=cfg_parallel,
                                 pipeline_parallel_size=stages)
         except ValueError as exc:  # more ranks than GPUs, an odd CFG-parallel size
@@ -538,14 +542,18 @@ def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_para
         except RankFailed as exc:
             # an AR rank ran out of memory inside a forward (the ranks cannot retry it alone) and
             # left a smaller budget in the run: start the ranks again from it, at most a few times
+            # (a job's pool too: its ranks are gone, the rows its earlier shards committed stay)
             smaller = _ar_budget(kwargs)
             if smaller is None or smaller == budget or restarts >= MAX_OOM_RESTARTS:
                 raise
             restarts += 1
             print(f"{exc}; starting the ranks again with at most {smaller[0]} AR row(s) in flight "
                   f"(restart {restarts} of at most {MAX_OOM_RESTARTS})", file=sys.stderr, flush=True)
+            if pool is not None:
+                pool.restart()
 
 
+_running_step: dict[str, Any] | None = None  # the kwargs of the step run_step started last
 MAX_OOM_RESTARTS = 6  # each one halves the AR batch: 64 rows in flight come down to 1
 
 
@@ -592,12 +600,50 @@ def rank_pool(tensor_parallel_size: int, device: str, pipeline_parallel_size: in
         raise ConfigError(str(exc)) from None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: what a pod gets on eviction and a workflow step at its deadline. A step program
+    stops as on Ctrl-C (what is committed stays, it says how to resume), with exit code 143."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    import multiprocessing
+
+    # a terminal's Ctrl-C reaches the rank processes too; a SIGTERM reaches only this process, and a
+    # pod's grace period would end before the ranks finish their step: stop them now
+    for child in multiprocessing.active_children():
+        child.terminate()
+    raise Terminated()
+
+
+def _committed_so_far() -> str:
+    """What the interrupted step leaves committed, in words (its shard's rows recorded so far)."""
+    step = _running_step
+    if not step or "output" not in step or "run_id" not in step or "shard" not in step:
+        return "committed rows are kept"
+    try:
+        from components.data.runs import RunLayout
+
+        layout, shard = RunLayout.open(step["output"], step["run_id"]), int(step["shard"])
+        if layout.is_committed(shard):
+            return f"shard {shard} of run {step['run_id']} is committed"
+        total, done = len(layout.read_inputs(shard)), len(layout.completed_rows(shard))
+    except Exception:  # noqa: BLE001 - the stop is said without the count
+        return "committed rows are kept"
+    return f"shard {shard} of run {step['run_id']} is not committed; {done} of its {total} row(s) are recorded and kept"
+
+
 def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
     """Run a step program's body: a ConfigError (or a missing extra) is one line and exit code 2;
-    Ctrl-C is exit code 130; anything else propagates (a traceback in the pod log, exit 1, and the
-    orchestrator retries). Its stacks print on SIGUSR1 / ARDIT_STACK_DUMP_S, as the CLI's do."""
+    Ctrl-C is exit code 130, SIGTERM 143 (the rank processes stopped, what is committed said);
+    anything else propagates (a traceback in the pod log, exit 1, and the orchestrator retries). Its
+    stacks print on SIGUSR1 / ARDIT_STACK_DUMP_S, as the CLI's do."""
+    import signal
+    import threading
+
     from components.ranks import dump_stacks_on_signal, gpu_env_defaults, rank_timeout_s
 
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
         gpu_env_defaults()  # before anything starts CUDA
         dump_stacks_on_signal()
@@ -608,10 +654,10 @@ def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
         if code is None:
             raise
         return code
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; committed rows are kept, run the same command again to resume",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        how, code = ("terminated (SIGTERM)", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
+        print(f"{prog}: {how}: {_committed_so_far()}; run the same command again to resume", file=sys.stderr)
+        return code
     except Exception as exc:
         from components.ranks import RankFailed
 
@@ -620,3 +666,6 @@ def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
         print(f"{prog}: error: {exc}; nothing of this shard was committed, run the same command again to "
               "resume", file=sys.stderr)
         return 1
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)

@@ -4,7 +4,11 @@ The same step functions the containers run (`components.*.run`). Each model copy
 replica: tp x pp GPUs) loads its engine once for the whole job, and its AR and DiT steps share it.
 Shards go to the replicas through a work queue: a free replica takes the next shard and runs its
 AR step, then its DiT step. A replica that fails (a rank raised or died) gives its shard back and
-retires; the others finish the job. `ardit edit` / `ardit generate` and the accuracy sweeps use it.
+retires; the others finish the job. An AR step that ran out of memory inside a forward of its
+tp x pp ranks (which cannot retry the batch alone) is not such a failure: run_step starts the
+replica's ranks again and runs the step again from the halved budget the run kept (at most
+MAX_OOM_RESTARTS times, only while the budget shrinks); committed shards stay. `ardit edit` /
+`ardit generate` and the accuracy sweeps use it.
 
     --dp 1, tp x pp = 1   the steps run in this process (as before)
     --dp 1, tp x pp > 1   one RankPool of tp x pp ranks on GPUs 0 .. tp*pp-1
