@@ -98,3 +98,50 @@ def test_sigterm_before_any_work_exits_143(tmp_path):
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("terminated (SIGTERM): nothing was committed; resume with: "), proc.stderr
     assert "run " not in proc.stdout and not (tmp_path / "out").exists()
+
+
+def test_sigterm_stops_a_tensor_parallel_step_program_with_exit_143(tmp_path):
+    """`python -m components.ar --tp 2` (a KFP / Argo step) on SIGTERM: what its shard has committed,
+    how to resume, exit 143, and its rank processes stopped with it. It died silently before."""
+    from components.data.sample import write_sample_edit_dataset
+    from components.shard.run import run as run_shard
+    from components.steps import model_validators
+
+    data = write_sample_edit_dataset(str(tmp_path / "e.parquet"), n=2)
+    out = str(tmp_path / "out")
+    count, supported, budget = model_validators("tiny")
+    run_shard(data, out, "term", 1, "edit", count_tokens=count, is_supported_size=supported, max_prompt_tokens=budget)
+    cmd = [sys.executable, "-m", "components.ar", "--output", out, "--run-id", "term", "--shard", "0",
+           "--model", "tiny", "--device", "cpu", "--tp", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while len(ranks := _spawned_children(proc.pid)) < 2:  # the step's two ranks, loading the model
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=STEP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "python -m components.ar: terminated (SIGTERM): shard 0 of run term is not committed; 0 of its 2 row(s) "
+        "are recorded and kept; run the same command again to resume"), stderr
+    assert all(_gone(pid) for pid in ranks), [p for p in ranks if not _gone(p)]  # no orphaned ranks
+
+
+def test_sigterm_stops_a_one_process_step_program_with_exit_143():
+    """A step program without ranks (a DiT at TP 1, the shard and summary steps): the same line."""
+    code = ("import os, signal, sys, time; from components.steps import step_main; "
+            "sys.exit(step_main('python -m components.dit', "
+            "lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(60), 0)[-1]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == ("python -m components.dit: terminated (SIGTERM): committed rows are kept; run the "
+                                   "same command again to resume"), proc.stderr
