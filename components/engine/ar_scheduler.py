@@ -40,6 +40,9 @@ rows.
   state comes back from the last stage like a step's. Every stage lands what comes back in the
   order it started (`landing`). Conditioning images are encoded one row a stage and handed to
   stage 0, the only stage that embeds them (`_encode_ahead`).
+- The decisions that need no model (rows that fit the cap and budget, the pool's size, row groups,
+  the slot a joining row takes, what a failed step does, the halving) are `BatchPolicy`'s, tested
+  without one (tests/test_ar_policy.py); `ARScheduler` runs the model and keeps the queues.
 """
 
 from __future__ import annotations
@@ -157,6 +160,80 @@ class Admission:
 
 
 @dataclass
+class BatchPolicy:
+    """The scheduler's decisions, apart from the model so that they are tested without one
+    (tests/test_ar_policy.py): how many rows of a K/V capacity fit (the `--batch-size` cap, the K/V
+    budget), a new pool's rows, its row groups and the slot a joining row takes, and what a failed
+    step does (an OOM halves the cap and the budget)."""
+
+    row_cap: int | None  # rows in flight at most (None: the K/V budget decides)
+    kv_budget: int | None  # K/V bytes on this rank (None: no byte limit)
+    bytes_per_token: int  # K and V of one token on this rank (kv_bytes_per_token)
+    budget_tokens: int  # a row's cache past its prompt: the CoT budget + CLOSING_MARGIN
+    group_count: int = 1  # row groups that decode in turn (one per pipeline stage)
+
+    def need(self, prompt_tokens: int) -> int:
+        """Cache tokens a row of this prompt needs."""
+        return prompt_tokens + self.budget_tokens
+
+    @staticmethod
+    def capacity_for(need: int) -> int:
+        """A slot's tokens for a row that needs `need`: rounded up to the decode span."""
+        return -(-need // SPAN_STEP) * SPAN_STEP
+
+    def row_bytes(self, tokens: int) -> int:
+        return tokens * self.bytes_per_token
+
+    def rows_that_fit(self, capacity: int) -> int:
+        """Slots of `capacity` tokens within the row cap and the K/V budget (0: not even one)."""
+        rows = self.row_cap if self.row_cap is not None else 1 << 30
+        if self.kv_budget is not None:
+            rows = min(rows, self.kv_budget // self.row_bytes(capacity))
+        return rows
+
+    def pool_rows(self, capacity: int, rows_left: int) -> int:
+        """Slots of a new pool: as many as fit and as rows are left to run, at least one."""
+        return max(1, min(self.rows_that_fit(capacity), rows_left))
+
+    def groups(self, pool_rows: int) -> list[tuple[int, int]]:
+        """The pool's row groups [lo, hi), as even as the rows allow."""
+        bounds = [g * pool_rows // self.group_count for g in range(self.group_count + 1)]
+        return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+    @staticmethod
+    def free_slot(groups: list[tuple[int, int]], used) -> int | None:
+        """The lowest free slot of the group with the fewest rows in use (so the groups stay even);
+        None when every slot is in use."""
+        best = None
+        for lo, hi in groups:
+            free = [i for i in range(lo, hi) if i not in used]
+            if free and (best is None or hi - lo - len(free) < best[0]):
+                best = (hi - lo - len(free), free[0])
+        return None if best is None else best[1]
+
+    def halve(self, rows_in_flight: int, pool_rows: int) -> tuple[int, int | None] | None:
+        """After an OOM: the row cap becomes half the rows that were in flight, the K/V budget half.
+        The (cap, budget) to keep for a resume, or None when neither got smaller (one row, no budget)."""
+        rows = min(rows_in_flight, pool_rows)
+        self.row_cap = max(1, rows // 2)
+        if self.kv_budget is not None:
+            self.kv_budget //= 2
+        if self.row_cap < rows or self.kv_budget is not None:
+            return self.row_cap, self.kv_budget
+        return None
+
+    @staticmethod
+    def after_failure(rows: int, pool_rows: int, out_of_memory: bool, solo: bool) -> str:
+        """What the rows of a failed step do: "fail" (a single row that ran alone, in a pool of one
+        slot, or failed for another reason than memory: its error is its own), "halve" (out of
+        memory: back to waiting under half the cap) or "alone" (another error: each row again alone,
+        so that the bad one names itself)."""
+        if rows == 1 and (solo or pool_rows <= 1 or not out_of_memory):
+            return "fail"
+        return "halve" if out_of_memory else "alone"
+
+
+@dataclass
 class _Seq:
     """One request in the scheduler."""
 
@@ -240,10 +317,6 @@ class ARScheduler:
         self.prefill_decoded = ar.prefill_decoded_kv
         self.graphs = decode_mode(self.model) == "graphs"
         self.admission = admission
-        self.row_cap = admission.max_rows
-        self.kv_budget = admission.kv_budget_bytes
-        self.per_token = kv_bytes_per_token(self.model)
-        self.budget_tokens = sampling.max_new_tokens + CLOSING_MARGIN
         self.waiting: deque[_Seq] = deque()
         self.prefilling: list[_Seq] = []
         self.running: list[_Seq] = []
@@ -256,8 +329,10 @@ class ARScheduler:
         # kernel setting stage_row_groups=off: one group, each forward through the stages in turn,
         # the schedule before row groups; benchmarks/ar_row_groups_cpu.py compares them)
         settings = kernels.settings()
-        self.group_count = 1 if self.model.pipeline is None or settings.batch_invariant == "on" \
+        group_count = 1 if self.model.pipeline is None or settings.batch_invariant == "on" \
             or settings.stage_row_groups == "off" else self.model.pipeline.pp_size
+        self.policy = BatchPolicy(admission.max_rows, admission.kv_budget_bytes, kv_bytes_per_token(self.model),
+                                  sampling.max_new_tokens + CLOSING_MARGIN, group_count)
         self.groups: list[tuple[int, int]] = []
         # under pipeline stages, forwards whose results come back from the last stage, in the order
         # they started (every stage lands them in that order): ("step", group lo, (step, rows fed))
@@ -265,7 +340,7 @@ class ARScheduler:
         self.landing: deque[tuple[str, Any, Any]] = deque()
         self.sending: list = []  # hand-offs of forwards nothing waits for (prefill chunks, rewrites)
         self.sampler = DeviceSampler(sampling, ar.tok.ratio_choice_ids, [], ar.banned_ids())
-        self.stats = SchedulerStats(kv_budget_bytes=self.kv_budget,
+        self.stats = SchedulerStats(kv_budget_bytes=self.policy.kv_budget,
                                     outside_allocator_bytes=admission.outside_allocator_bytes)
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -318,25 +393,13 @@ class ARScheduler:
     @property
     def wavefront(self) -> bool:
         """Whether forwards go through the pipeline stages without waiting (row groups in turn)."""
-        return self.group_count > 1
+        return self.policy.group_count > 1
 
     @property
     def in_flight(self) -> list[_Seq]:
         return sorted(self.prefilling + self.running, key=lambda s: s.order)
 
     # -- admission --------------------------------------------------------------------------------
-    def _row_bytes(self, tokens: int) -> int:
-        return tokens * self.per_token
-
-    def _capacity_for(self, need: int) -> int:
-        return -(-need // SPAN_STEP) * SPAN_STEP
-
-    def _rows_that_fit(self, capacity: int) -> int:
-        rows = self.row_cap if self.row_cap is not None else 1 << 30
-        if self.kv_budget is not None:
-            rows = min(rows, self.kv_budget // self._row_bytes(capacity))
-        return rows
-
     def _admit(self) -> None:
         while self.waiting:
             seq = self.waiting[0]
@@ -346,8 +409,8 @@ class ARScheduler:
                 return
             if seq.row is None and not self._prepare(seq):
                 continue
-            capacity = self._capacity_for(seq.need)
-            if self._rows_that_fit(capacity) < 1:
+            capacity = self.policy.capacity_for(seq.need)
+            if self.policy.rows_that_fit(capacity) < 1:
                 self.waiting.popleft()
                 self._fail(seq, self._too_large(seq, capacity))
                 continue
@@ -359,7 +422,7 @@ class ARScheduler:
                     self.waiting.popleft()
                     self._fail(seq, self._too_large(seq, capacity, error))
                     continue
-            free = self._free_slot()
+            free = self.policy.free_slot(self.groups, self.slots)
             if free is None:
                 return
             self.waiting.popleft()
@@ -380,7 +443,7 @@ class ARScheduler:
             self._fail(seq, e)
             return False
         seq.row.offset = 0
-        seq.need = seq.prompt_len + self.budget_tokens
+        seq.need = self.policy.need(seq.prompt_len)
         seq.positions = seq.row.seq.positions()
         seq.blocks = seq.row.seq.block_ids()
         seq.generator = self.ar.sampling_generator(seq.row)
@@ -427,7 +490,7 @@ class ARScheduler:
         while True:
             self._release()
             left = len(self.waiting) + len(self.slots)
-            rows = max(1, min(self._rows_that_fit(capacity), left))
+            rows = self.policy.pool_rows(capacity, left)
             error: BaseException | None = None
             try:
                 if allocation_fault_hook is not None:
@@ -455,18 +518,8 @@ class ARScheduler:
                                      self.ar.tok.pad, self.graphs)
         self.logits = torch.zeros(rows, self.model.config.vocab_size, device=self.model.device)
         self.stats.pool_rows, self.stats.pool_capacity = rows, capacity
-        bounds = [g * rows // self.group_count for g in range(self.group_count + 1)]
-        self.groups = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        self.groups = self.policy.groups(rows)
         self.stats.row_groups = len(self.groups)
-
-    def _free_slot(self) -> int | None:
-        """The lowest free slot of the row group with the fewest rows (so the groups stay even)."""
-        best = None
-        for lo, hi in self.groups:
-            free = [i for i in range(lo, hi) if i not in self.slots]
-            if free and (best is None or hi - lo - len(free) < best[0]):
-                best = (hi - lo - len(free), free[0])
-        return None if best is None else best[1]
 
     def _place(self, seq: _Seq, slot: int) -> None:
         seq.slot, seq.length = slot, 0
@@ -688,13 +741,14 @@ class ARScheduler:
         self._release()
         oom = is_out_of_memory(error)
         self.stats.events.append(f"{type(error).__name__} with {len(rows)} row(s) in flight")
-        if len(rows) == 1 and (rows[0].solo or pool_rows <= 1 or not oom):
+        action = self.policy.after_failure(len(rows), pool_rows, oom, bool(rows) and rows[0].solo)
+        if action == "fail":
             seq = rows[0]
             if oom and not isinstance(error, RowTooLarge):
                 error = self._too_large(seq, None, error)
             self._fail(seq, error)
             return
-        if oom:
+        if action == "halve":
             self.stats.oom_retries += 1
             self._halve(len(rows), pool_rows)
         else:
@@ -705,24 +759,21 @@ class ARScheduler:
     def _halve(self, rows_in_flight: int, pool_rows: int) -> None:
         """After an OOM: half the rows that were in flight, half the K/V budget (kept in the admission,
         so the AR step can hand them to a resume, unless neither got smaller: one row, no budget)."""
-        rows = min(rows_in_flight, pool_rows)
-        self.row_cap = max(1, rows // 2)
-        if self.kv_budget is not None:
-            self.kv_budget //= 2
-        if self.row_cap < rows or self.kv_budget is not None:
-            self.admission.halved_to = (self.row_cap, self.kv_budget)
+        kept = self.policy.halve(rows_in_flight, pool_rows)
+        if kept is not None:
+            self.admission.halved_to = kept
 
     def _too_large(self, seq: _Seq, capacity: int | None, error: BaseException | None = None) -> RowTooLarge:
         req = seq.request
         prompt = len(seq.row.seq.cond_ids) if seq.row is not None else None
         gib = 1 << 30
-        size = (f"{prompt} prompt tokens + {self.budget_tokens} CoT budget -> "
-                f"{self._row_bytes(prompt + self.budget_tokens) / gib:.2f} GiB of K/V on this rank"
+        size = (f"{prompt} prompt tokens + {self.policy.budget_tokens} CoT budget -> "
+                f"{self.policy.row_bytes(self.policy.need(prompt)) / gib:.2f} GiB of K/V on this rank"
                 if prompt is not None else "its prompt could not even be prepared")
         if error is not None:
             where = f"it ran out of GPU memory alone ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
         else:
-            budget = self.kv_budget or 0
+            budget = self.policy.kv_budget or 0
             where = (f"the K/V budget is {budget / gib:.2f} GiB (--gpu-memory-utilization "
                      f"{self.admission.gpu_memory_utilization} of the GPU, less the weights and activations)")
         return RowTooLarge(f"row {req.id} does not fit alone: {size}; {where}. To fit it: split the model over more "
