@@ -78,7 +78,7 @@ def stack_decode(model, batches: list[int]) -> dict:
         dec.set_inputs(ids.tolist())
         span = dec.span(AR_KV)
         with model.autocast():
-            # plain eager step (as ARGenerator._decode): the cache sliced to AR_KV + 1, a host-built mask
+            # plain eager step (as the removed static-batch loop): the cache sliced to AR_KV + 1, a host-built mask
             x = model.embed_ids(ids.view(b, 1))
             pos = torch.full((b, 1, 2), float(AR_KV), dtype=torch.float64, device=DEVICE)
 

@@ -109,7 +109,8 @@ def _prefill(model, lengths: list[int], capacity: int, rows: int | None):
 
 
 def _plain_step(model, cache, valid, offsets, tokens, pad):
-    """One step of ARGenerator._decode, as written there."""
+    """One plain decode step, as the removed static batch loop (ARGenerator._decode) wrote it: the
+    reference the static step is checked against."""
     slot = cache.length
     feed = torch.tensor([[t if t is not None else pad] for t in tokens])
     for b, t in enumerate(tokens):

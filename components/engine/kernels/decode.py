@@ -1,8 +1,9 @@
 """AR decode with static shapes and CUDA graphs, and sampling on the device (issue 12, item 3).
 
-The plain decode step (`ARGenerator._decode`) slices the KV cache to the filled length and builds a
-fresh mask on the host for every token, so its shapes change every step and every step pays the
-launch cost of a few hundred small kernels. `StaticDecoder` runs a step whose shapes stay fixed
+The plain decode step (the removed static batch loop's; tests/test_kernels_decode.py keeps it as
+the reference, `_plain_step`) slices the KV cache to the filled length and builds a fresh mask on
+the host for every token, so its shapes change every step and every step pays the launch cost of a
+few hundred small kernels. `StaticDecoder` runs a step whose shapes stay fixed
 over a whole span of tokens, so one CUDA graph per (batch bucket, span) replays it:
 
 - the batch is padded up to a bucket (1, 2, 4, ..., 64): the KV cache is allocated with that many
