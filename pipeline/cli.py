@@ -389,14 +389,20 @@ def sample_data(path: Annotated[str, typer.Argument(
 
 @app.command(cls=_Command)
 def demo(output: Output = "demo", steps: Steps = None) -> None:
-    """Generate a few images and edits with the tiny model on CPU (random weights: noise-like images)."""
+    """Generate a few images and edits with the demo model on CPU (trained by the project on procedural
+    scenes), then judge each against its exact target."""
+    from components.evaluate.judge import judge_run
+
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    sample_data(str(out / "edit.parquet"), "edit", 3)
-    sample_data(str(out / "generate.parquet"), "generate", 3)
     for kind in ("edit", "generate"):
-        _run(kind, str(out / f"{kind}.parquet"), str(out / "runs"), f"demo-{kind}", resume_adds_run_id=False,
-             num_shards=1, model="tiny", steps=steps, device="cpu")
+        dataset = str(out / f"{kind}.parquet")
+        sample_data(dataset, kind, 3, targets=True)
+        _run(kind, dataset, str(out / "runs"), f"demo-{kind}", resume_adds_run_id=False,
+             num_shards=1, model="demo", steps=steps, device="cpu")
+        results, _ = judge_run(dataset, str(out / "runs" / f"demo-{kind}"))
+        passed = sum(1 for _, verdict in results if verdict is not None and verdict.passed)
+        typer.echo(f"demo {kind}: {passed} / {len(results)} rows pass the judge (exact targets in {dataset})")
 
 
 # ------------------------------------------------------------------------------- error handling
