@@ -6,6 +6,9 @@
                  each shard's AR and DiT steps with their GPU memory peaks and retries where recorded
                  (shards[].steps)
     errors       every error row with its reason
+    judge        where the run's dataset carries targets (`ardit sample-data --targets`): a header
+                 line with the semantic judge's pass count and mean PSNR, and per row the target
+                 beside the output with pass / fail, the judge's check and reason, PSNR and SSIM
     grid         per row: the input image and instruction (edit) or the prompt (generate), the
                  output image and the CoT text
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -163,6 +167,42 @@ def shard_steps_plot(shards: list[dict[str, Any]]) -> tuple[plots.Plot, str] | N
     return plots.render(fig), caption
 
 
+def judge_rows(manifest: dict[str, Any], run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The semantic judge over the run, where its dataset has a `target` column: ({row id: {verdict,
+    target thumbnail}}, summary). None for a dataset without targets or not readable here."""
+    import pyarrow.parquet as pq
+
+    from components.evaluate import judge
+
+    files = manifest.get("dataset_files") or []
+    if not files or manifest.get("ids_derived") or not all(Path(f).is_file() for f in files):
+        return None
+    if any("target" not in pq.read_schema(f).names for f in files):
+        return None
+    per_row: dict[str, Any] = {}
+    for f in files:
+        try:
+            results, _ = judge.judge_run(f, str(run_dir))
+        except FileNotFoundError:  # no shard committed yet: nothing to judge
+            return None
+        targets = {r["id"]: r["target"] for r in pq.read_table(f, columns=["id", "target"]).to_pylist()}
+        for row_id, verdict in results:
+            per_row[row_id] = {"verdict": verdict, "target": _thumb(targets.get(row_id))}
+    summary = judge.summarize([j["verdict"] for j in per_row.values() if j["verdict"] is not None])
+    return per_row, {**summary, "rows": len(per_row)}  # rows without an image count as not passed
+
+
+def _judge_card(entry: dict[str, Any] | None) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    v = entry["verdict"]
+    if v is None:
+        return {"target": entry["target"], "passed": False, "check": "", "detail": "no output image to judge",
+                "psnr": "–", "ssim": "–"}
+    return {"target": entry["target"], "passed": v.passed, "check": v.check, "detail": v.detail,
+            "psnr": "∞ dB" if math.isinf(v.psnr) else f"{v.psnr:.1f} dB", "ssim": f"{v.ssim:.3f}"}
+
+
 def build_job_context(run_dir: Path, report_path: Path, max_rows: int = 60) -> dict[str, Any]:
     from components.summary.run import summarize
 
@@ -179,6 +219,7 @@ def build_job_context(run_dir: Path, report_path: Path, max_rows: int = 60) -> d
         inputs = {job.id: job for job in layout.read_inputs(k)}
         for r in layout.read_rows(k).to_pylist():
             rows.append({**r, "shard": k, "job": inputs.get(r["id"])})
+    judged = judge_rows(manifest, run_dir)
     cards = []
     for r in rows[:max_rows]:
         job = r["job"]
@@ -196,12 +237,19 @@ def build_job_context(run_dir: Path, report_path: Path, max_rows: int = 60) -> d
             "kv": " · ".join(x for x in (r.get("kv_path"), r.get("kv_reason")) if x),
             "time": _secs(sum(r.get(c) or 0.0 for c in ("ar_prefill_s", "ar_decode_s", "kv_put_s", "kv_get_s",
                                                         "dit_total_s", "vae_decode_s")) or None),
+            "judge": _judge_card(judged[0].get(r["id"])) if judged else None,
         })
     model = settings["dit"].get("model") or settings["ar"].get("model") or "–"
     generation = {setting_name(k): setting_value(v) for step in ("ar", "dit") for k, v in settings[step].items()
                   if k not in ("model", "weights", "recorded_at") and v is not None}
     steps = shard_steps_plot(summary.get("shards") or [])
+    judge_line = None
+    if judged:
+        j = judged[1]
+        judge_line = {"passed": j["passed"], "rows": j["rows"],
+                      "psnr": "–" if j["mean_psnr"] is None else f"{j['mean_psnr']:.1f} dB"}
     return {
+        "judge": judge_line,
         "run_id": layout.run_id, "kind": manifest.get("kind"), "dataset": manifest.get("dataset"), "model": model,
         "generation": generation, "summary": summary, "version": ardit_version(),
         "kv_paths": setting_value(summary.get("kv_paths") or {}),
@@ -256,7 +304,9 @@ th { font-size: 12px; text-transform: uppercase; color: #59636e; background: #f6
 .card.error { border-color: #ffcecb; background: #fffafa; }
 .card .head { display: flex; justify-content: space-between; gap: 8px; font: 600 13px ui-monospace, Menlo, monospace; }
 .pair { display: grid; grid-template-columns: 1fr 1fr; gap: 10px; margin: 8px 0; align-items: start; }
+.pair.three { grid-template-columns: 1fr 1fr 1fr; gap: 8px; }
 .pair figure { margin: 0; min-width: 0; }
+.judge { font-size: 13px; margin: 6px 0; } .judge .why { font-size: 12px; color: #424a53; }
 /* never larger than its pixels (a tall thumbnail is 320 px high at most), never wider than its column */
 .pair img { max-width: 100%; width: auto; height: auto; border-radius: 6px; background: #eee; display: block; }
 .refimg { max-height: 48px; max-width: 96px; width: auto; height: auto; vertical-align: middle; }
@@ -289,6 +339,7 @@ figcaption { font-size: 12px; color: #59636e; margin-top: 3px; }
     <span>wall <b>{{ summary.wall_s if summary.wall_s is not none else '–' }} s</b></span>
     <span>KV {{ kv_paths }}</span>
   </div>
+  {% if judge %}<div class="facts"><span class="{{ 'good' if judge.passed == judge.rows else 'bad' }}">judge: <b>{{ judge.passed }} / {{ judge.rows }}</b> rows pass, mean PSNR <b>{{ judge.psnr }}</b></span><span class="sub">the semantic judge against the dataset's targets</span></div>{% endif %}
   <div class="facts sub">{% for k, v in generation.items() %}<span>{{ k }} {{ v }}</span>{% endfor %}</div>
 </div>
 
@@ -314,13 +365,15 @@ figcaption { font-size: 12px; color: #59636e; margin-top: 3px; }
 {% for c in cards %}
 <div class="card {{ 'error' if c.status != 'ok' else '' }}">
   <div class="head"><span style="min-width: 0; overflow-wrap: anywhere">{{ c.id }}</span><span class="sub">shard {{ c.shard }}</span></div>
-  <div class="pair">
+  <div class="pair{{ ' three' if c.judge and kind == 'edit' else '' }}">
     {% if kind == 'edit' %}
     <figure>{% if c.input %}<img alt="input {{ c.id }}" src="{{ c.input }}">{% else %}<div class="missing">no input image</div>{% endif %}<figcaption>input</figcaption></figure>
     {% endif %}
     <figure>{% if c.output %}<a href="{{ c.href }}"><img alt="output {{ c.id }}" src="{{ c.output }}"></a><figcaption>output {{ c.size }} · <a href="{{ c.href }}">full PNG</a></figcaption>
     {% else %}<div class="missing">no image</div><figcaption>output</figcaption>{% endif %}</figure>
+    {% if c.judge %}<figure>{% if c.judge.target %}<img alt="target {{ c.id }}" src="{{ c.judge.target }}">{% else %}<div class="missing">no target</div>{% endif %}<figcaption>target</figcaption></figure>{% endif %}
   </div>
+  {% if c.judge %}<div class="judge {{ 'good' if c.judge.passed else 'bad' }}"><b>{{ 'PASS' if c.judge.passed else 'FAIL' }}</b>{% if c.judge.check %} {{ c.judge.check }}{% endif %} · PSNR {{ c.judge.psnr }} · SSIM {{ c.judge.ssim }}<div class="why">{{ c.judge.detail|clamp }}</div></div>{% endif %}
   {% if c.reference %}<div class="meta">reference image: <img alt="reference {{ c.id }}" src="{{ c.reference }}" class="refimg"></div>{% endif %}
   <div class="text"><b>{{ text_label }}:</b> {{ c.text|clamp if c.text else '–' }}</div>
   {% if c.error %}<div class="reason">{{ c.error|clamp }}</div>{% endif %}
