@@ -230,7 +230,8 @@ def test_vs_ref_says_slower_or_faster_in_words(sweep_dir: Path) -> None:
     assert speed_words(0.61) == "1.64× slower" and speed_words(2.0) == "2.00× faster"
     assert speed_words(1.001) == "same speed"
     speeds = [c["speed"]["text"] for c in build_context(sweep_dir)["configs"] if c["name"] != "reuse-s8"]
-    assert all(re.search(r"(faster|slower|same speed)", t) or t == "–" for t in speeds), speeds
+    # one run per config (and the reference's re-run): too few samples, so no ratio is a finding
+    assert speeds and all(re.fullmatch(r"within noise \(n=\d+, ref n=\d+\)", t) or t == "–" for t in speeds), speeds
 
 
 def test_resized_only_for_real_resizes() -> None:

@@ -22,17 +22,44 @@ def test_noise_is_the_largest_spread_and_ratios_within_it_are_unreliable() -> No
     ref = s["configs"]["ref"]
     assert ref["median"] == pytest.approx(35.8)
     fast, similar = s["configs"]["fast"], s["configs"]["similar"]
-    assert fast["speedup"] == pytest.approx(3.58) and fast["speedup_reliable"]  # 258 % apart > 183 % noise
+    assert fast["speedup"] == pytest.approx(3.58) and not fast["speedup_reliable"]  # 1 and 2 samples: no finding
+    assert fast["speedup_note"].startswith("within noise (n=1, ref n=2): fewer than 3")
     assert similar["speedup"] == pytest.approx(35.8 / 30) and not similar["speedup_reliable"]
-    assert "within timing noise" in similar["speedup_note"]
     assert "ref timed 2× per image: 18.7 s, 52.9 s" in s["noise_from"]
+
+
+def test_a_speed_ratio_is_a_finding_only_with_three_samples_per_arm_and_outside_the_noise() -> None:
+    from components.sweep.timing import speed_finding
+
+    # too few samples: a 2x difference from 2 samples per arm is no finding
+    ok, note = speed_finding([1.0, 1.01], [2.0, 2.02], noise=0.01)
+    assert not ok and note.startswith("within noise (n=2, ref n=2): fewer than 3 timing samples per arm")
+    # 3 samples per arm, but the ranges overlap (the ratio from the samples spans 1)
+    ok, note = speed_finding([1.0, 1.3, 1.6], [1.5, 1.55, 1.7], noise=0.6)
+    assert not ok and "within noise (n=3, ref n=3): the ratio from the samples spans 0.94–1.70, which includes 1" in note
+    # 3 samples per arm, ranges apart, but the medians closer than the machine's noise
+    ok, note = speed_finding([1.0, 1.02, 1.04], [1.1, 1.12, 1.14], noise=0.5)
+    assert not ok and "differs by 9.8%, noise ±50%" in note
+    # a clear difference: 3 samples each, ranges apart, beyond the noise
+    ok, note = speed_finding([1.0, 1.02, 1.04], [2.0, 2.05, 2.1], noise=0.04)
+    assert ok and note.startswith("differs by 101%, more than the timing noise ±4.0% (n=3, ref n=3, ratio 1.92–2.10)")
+    # and in the report's cell: the words only for the finding
+    s = timing_summary({"ref": [2.0, 2.05, 2.1], "fast": [1.0, 1.02, 1.04], "few": [1.0, 1.01]}, "ref")
+    from components.report.render import _timing_cells
+
+    cell = {n: _timing_cells({"config": n, "speedup_vs_ref": c["speedup"], "speedup_reliable": c["speedup_reliable"],
+                              "speedup_note": c["speedup_note"], "time_per_image_s_median": c["median"]}, "ref")[2]
+            for n, c in s["configs"].items()}  # fmt: skip
+    assert cell["fast"]["text"] == "2.01× faster" and cell["fast"]["cls"] == ""
+    assert cell["few"] == {"text": "within noise (n=2, ref n=3)", "cls": "noisy",
+                           "title": "2.04× faster; within noise (n=2, ref n=3): fewer than 3 timing samples per arm"}
 
 
 def test_single_samples_give_no_noise_estimate() -> None:
     s = timing_summary({"ref": [1.0], "a": [0.5]}, "ref")
     assert s["noise"] is None
     assert s["configs"]["a"]["speedup"] == 2.0 and not s["configs"]["a"]["speedup_reliable"]
-    assert s["configs"]["a"]["speedup_note"] == NO_ESTIMATE
+    assert s["configs"]["a"]["speedup_note"].startswith("within noise (n=1, ref n=1)")
 
 
 def _runner(calls: list[str], drift: float = 0.0, slow: str = "", factor: float = 2.0):  # type: ignore[no-untyped-def]
@@ -69,8 +96,8 @@ def test_a_drifting_machine_marks_the_speed_ratio_as_noise(tmp_path: Path) -> No
 
     ctx = build_context(result.sweep_dir)
     speed = {c["name"]: c["speed"] for c in ctx["configs"]}
-    assert speed["recompute"]["text"].startswith("~") and speed["recompute"]["cls"] == "noisy"
-    assert "within timing noise" in speed["recompute"]["title"]
+    assert speed["recompute"]["text"] == "within noise (n=1, ref n=2)" and speed["recompute"]["cls"] == "noisy"
+    assert "fewer than 3 timing samples per arm" in speed["recompute"]["title"]
     assert ctx["timing_warn"] and "±80%" in ctx["timing_line"]
     assert "±80%" in result.report.read_text()
 
@@ -79,7 +106,7 @@ def test_without_a_rerun_speed_is_marked_unreliable(tmp_path: Path) -> None:
     spec = parse_spec(spec_dict(grid={"kv_reuse": [True, False]}, reference="reuse", precision_budget=False))
     result = run_sweep(spec, tmp_path, "bare", runner=_runner([]), log=lambda _: None)
     ctx = build_context(result.sweep_dir)
-    assert {c["name"]: c["speed"]["text"][0] for c in ctx["configs"]} == {"reuse": "r", "recompute": "~"}
+    assert {c["name"]: c["speed"]["text"][0] for c in ctx["configs"]} == {"reuse": "r", "recompute": "w"}
     assert NO_ESTIMATE in ctx["timing_line"] and ctx["timing_warn"]
 
 
@@ -100,8 +127,9 @@ def test_interleaved_repeats_measure_a_real_difference(tmp_path: Path) -> None:
     speed = {c["name"]: c["speed"] for c in build_context(result.sweep_dir)["configs"]}
     from components.report.render import speed_words
 
+    r = slow["speedup_vs_ref"]
     assert speed["recompute"] == {"text": speed_words(slow["speedup_vs_ref"]), "cls": "",
-                                  "title": "differs by 122%, more than the timing noise ±0.0%"}  # fmt: skip
+                                  "title": f"differs by 122%, more than the timing noise ±0.0% (n=3, ref n=4, ratio {r:.2f}–{r:.2f})"}  # fmt: skip
 
     calls.clear()  # resumed with the same spec: the timing rounds are kept too
     run_sweep(spec, tmp_path, "rep", runner=_runner(calls, slow="recompute"), log=lambda _: None, resume=True,

@@ -30,7 +30,7 @@ from components.evaluate.metrics import (
 from components.evaluate.runio import _num, load_run_inputs, load_run_rows, storage_name
 from components.report import plots
 from components.report.text import environment
-from components.sweep.timing import NO_ESTIMATE, noise_line, pct
+from components.sweep.timing import NO_ESTIMATE, noise_line, pct, within_noise_words
 from components.report.template import TEMPLATE
 
 ROLE_LABELS = {
@@ -147,7 +147,8 @@ def _timing_cells(rec: dict[str, Any], ref_name: str) -> tuple[float | None, str
         return t, text, {"text": "–", "cls": "", "title": note}
     if rec.get("speedup_reliable"):
         return t, text, {"text": speed_words(ratio), "cls": "", "title": note}
-    return t, text, {"text": f"~{speed_words(ratio)} (noise)", "cls": "noisy", "title": note}
+    # no finding: the ratio stays in the tooltip, the cell says why it means nothing
+    return t, text, {"text": within_noise_words(note), "cls": "noisy", "title": f"{speed_words(ratio)}; {note}"}
 
 
 def speed_words(ratio: float) -> str:

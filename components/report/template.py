@@ -264,7 +264,7 @@ footer { margin-top: 30px; font-size: 12px; color: var(--muted); }
   <dt>bitwise</dt><dd>decoded pixel arrays identical.</dd>
   <dt>CoT sim</dt><dd>difflib ratio of the chain-of-thought texts; tokens equal / 1st divergence compare generated token ids.</dd>
   <dt>time / img</dt><dd>ar_prefill_s + ar_decode_s + dit_total_s + vae_decode_s per row, averaged over a run; the median over the config's timing samples (its run, timing.repeats rounds, and for the reference its determinism re-run), n and the spread (max − min) / min when there are several.</dd>
-  <dt>vs ref</dt><dd>how much faster or slower than the reference (its time divided by this one); “~”, “(noise)” and grey when the two differ by less than the timing noise (the largest spread of any config's samples), i.e. the ratio means nothing.</dd>
+  <dt>vs ref</dt><dd>how much faster or slower than the reference (its time divided by this one), only where that is a finding: at least 3 timing samples for the config and for the reference, their ranges apart (the ratio from the samples excludes 1) and the medians further apart than the timing noise (the largest spread of any config's samples). Otherwise the cell says “within noise (n=…)” in grey and the ratio, which means nothing, is only in its tooltip.</dd>
   <dt>other aspect ratio</dt><dd>the config's image has another width:height than the reference's (the model picked another ratio, e.g. under another seed): no pixel metrics. “resized”: the same ratio at another size.</dd>
 </dl>
 </div>

@@ -314,7 +314,7 @@ def evaluate_sweep(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Evaluate each config against its baseline (the reference against itself, ungated), and, when
     the dataset carries targets, with the semantic judge (pass rate and PSNR against the targets)."""
-    judged = dataset is not None and "target" in pq.read_schema(dataset).names
+    judged = dataset is not None and Path(dataset).is_file() and "target" in pq.read_schema(dataset).names
     config_records: list[dict[str, Any]] = []
     row_records: list[dict[str, Any]] = []
     for cfg in spec.configs:

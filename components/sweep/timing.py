@@ -9,9 +9,13 @@ single samples can be pure noise. The sweep therefore measures the noise:
   drift touches every config alike), and keeps only their times.
 
 noise = the largest relative spread (max - min) / min of any config's samples. A config's time is
-the median of its samples; its speed ratio against the reference counts only when the two medians
-differ by more than the noise. Without any repeated sample there is no noise estimate and every
-ratio is marked unreliable.
+the median of its samples; its speed ratio against the reference is a finding only when
+- each arm (the config and the reference) has at least MIN_SAMPLES samples,
+- the ratio's interval from the samples (reference min / config max .. reference max / config min)
+  excludes 1, i.e. the two arms' ranges do not overlap, and
+- the two medians differ by more than the noise.
+Otherwise it reads "within noise (n=...)". Without any repeated sample there is no noise estimate and
+every ratio is within noise.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import statistics
 from typing import Any
 
 NO_ESTIMATE = "no timing noise estimate: enable precision_budget.determinism or timing.repeats"
+# timing samples each arm needs before its speed ratio is a finding (fewer cannot show a noise band)
+MIN_SAMPLES = 3
 
 
 def _spread(samples: list[float]) -> float | None:
@@ -44,18 +50,39 @@ def timing_summary(samples: dict[str, list[float]], reference: str) -> dict[str,
         shown = ", ".join(f"{v:.3g} s" for v in configs[worst]["samples"])
         noise_from = f"{worst} timed {len(configs[worst]['samples'])}× per image: {shown}"
     ref = configs.get(reference, {}).get("median")
+    ref_samples = configs.get(reference, {}).get("samples") or []
     for name, c in configs.items():
         c["speedup"] = ref / c["median"] if ref and c["median"] else None
+        c["speedup_reliable"], c["speedup_note"] = speed_finding(c["samples"], ref_samples, noise)
         if c["speedup"] is None:
-            c["speedup_reliable"], c["speedup_note"] = False, "no time"
-        elif noise is None:
-            c["speedup_reliable"], c["speedup_note"] = False, NO_ESTIMATE
-        else:
-            diff = abs(c["median"] - ref) / min(c["median"], ref)
-            c["speedup_reliable"] = diff > noise
-            c["speedup_note"] = (f"differs by {pct(diff)}, more than the timing noise ±{pct(noise)}" if c["speedup_reliable"]
-                                 else f"within timing noise: differs by {pct(diff)}, noise ±{pct(noise)}")  # fmt: skip
+            c["speedup_note"] = "no time"
     return {"noise": noise, "noise_from": noise_from, "configs": configs}
+
+
+def speed_finding(samples: list[float], ref_samples: list[float], noise: float | None) -> tuple[bool, str]:
+    """(whether the speed ratio of `samples` against `ref_samples` is a finding, why in words): only
+    with MIN_SAMPLES per arm, ranges apart (the ratio's interval excludes 1) and medians further
+    apart than the noise."""
+    n = f"n={len(samples)}, ref n={len(ref_samples)}"
+    if not samples or not ref_samples:
+        return False, "no time"
+    if min(len(samples), len(ref_samples)) < MIN_SAMPLES:
+        return False, f"within noise ({n}): fewer than {MIN_SAMPLES} timing samples per arm"
+    if noise is None:
+        return False, f"within noise ({n}): {NO_ESTIMATE}"
+    lo, hi = min(ref_samples) / max(samples), max(ref_samples) / min(samples)
+    if lo <= 1 <= hi:
+        return False, f"within noise ({n}): the ratio from the samples spans {lo:.2f}–{hi:.2f}, which includes 1"
+    med, ref = statistics.median(samples), statistics.median(ref_samples)
+    diff = abs(med - ref) / min(med, ref)
+    if diff <= noise:
+        return False, f"within noise ({n}): differs by {pct(diff)}, noise ±{pct(noise)}"
+    return True, f"differs by {pct(diff)}, more than the timing noise ±{pct(noise)} ({n}, ratio {lo:.2f}–{hi:.2f})"
+
+
+def within_noise_words(note: str) -> str:
+    """The short cell text of a ratio that is no finding: 'within noise (n=2, ref n=1)'."""
+    return note.split(":", 1)[0] if note.startswith("within noise") else "within noise"
 
 
 def pct(x: float) -> str:
@@ -67,5 +94,5 @@ def noise_line(summary: dict[str, Any]) -> str:
     """One line for the CLI and the report."""
     if summary.get("noise") is None:
         return f"timing: {NO_ESTIMATE}; speed ratios are unreliable"
-    return (f"timing noise ±{pct(summary['noise'])} ({summary['noise_from']}): speed ratios within it are "
-            "marked ~ and mean nothing")  # fmt: skip
+    return (f"timing noise ±{pct(summary['noise'])} ({summary['noise_from']}): a speed ratio is a finding only "
+            f"with >= {MIN_SAMPLES} samples per arm and outside it, otherwise it reads 'within noise'")  # fmt: skip
