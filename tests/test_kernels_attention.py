@@ -216,8 +216,8 @@ IMG = random_image(160, 96, seed=1)
 
 
 def _run(engine, value: str):
-    """AR batch (an edit and a shorter T2I prompt: left padding, an image block) + DiT reuse and
-    recompute of each row, under attention=value."""
+    """AR batch (an edit and a shorter T2I prompt, an image block) + DiT reuse and recompute of each
+    row, under attention=value."""
     previous = kernels.configure(attention=value)
     try:
         reqs = [ARRequest("edit", "make the sky purple", [IMG], bot_task="think", seed=7),
@@ -240,9 +240,11 @@ def test_tiny_end_to_end_flex_matches_sdpa(monkeypatch):
     real = flex_kernels.block_mask
     monkeypatch.setattr(flex_kernels, "block_mask", lambda *a, **kw: made.append(a[0].shape) or real(*a, **kw))
     flex_ar, flex = _run(engine, "flex")
-    # flex ran: the AR prefill (2 rows, left-padded), the edit's DiT prefills (recompute: whole prefix
-    # with its image; reuse: the uncond row from its <cfg> on); the T2I DiT prefix is plain causal
-    assert len(made) >= 3 and made[0][0] == 2
+    # flex ran: the AR prefill (the scheduler's: each row alone, the edit's whole prompt with its image
+    # block in one chunk), the edit's DiT prefills (recompute: whole prefix with its image; reuse: the
+    # uncond row from its <cfg> on); the T2I DiT prefix is plain causal
+    edit_prompt = len(flex_ar[0].prompt_ids)
+    assert len(made) >= 3 and tuple(made[0]) == (1, 1, edit_prompt, edit_prompt)
     sdpa_ar, sdpa = _run(engine, "sdpa")
     for a, b in zip(flex_ar, sdpa_ar):
         assert a.fed_ids == b.fed_ids  # same greedy tokens
