@@ -70,6 +70,8 @@ def test_example_spec_runs_through_the_real_job_runner(path: Path, tmp_path: Pat
         evaluated = rec["rows_compared"] + (rec.get("rows_size_mismatch") or 0)  # another ratio: no pixel metrics
         assert rec["rows"] == 2 and evaluated == 2, (rec["config"], rec.get("violations"))
         assert not rec.get("eval_error"), rec["config"]
+        if raw["base"]["dataset"].get("output_size"):  # pinned: one shape, every row compared on pixels
+            assert rec["rows_compared"] == 2 and not rec.get("rows_size_mismatch"), rec["config"]
     # the runs really ran with each config's settings (what the job recorded, not what was asked)
     for cfg in spec.configs:
         settings = json.loads((result.sweep_dir / "runs" / cfg.name / "settings" / "dit.json").read_text())

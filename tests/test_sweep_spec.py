@@ -231,3 +231,26 @@ def test_generation_settings_are_left_to_the_model() -> None:
         assert "steps" not in spec.base and "guidance" not in spec.base, name
     bare = parse_spec({"base": {"dataset": "d"}})
     assert bare.config("base").params == {"dataset": "d", "kind": "edit", "model": "tiny", "num_shards": 1}
+
+
+def test_a_sample_dataset_pins_its_output_size(tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from components.sweep.runner import materialize_dataset
+
+    def spec(dataset: dict) -> dict:
+        raw = spec_dict()
+        raw["base"]["dataset"] = dataset
+        return raw
+
+    with pytest.raises(SpecError, match="base.dataset.output_size: size '256' is not 'auto' or 'WIDTHxHEIGHT'"):
+        parse_spec(spec({"sample": "edit", "rows": 2, "output_size": "256"}))
+    pinned = {"sample": "edit", "rows": 2, "size": 64, "output_size": "256x256"}
+    parse_spec(spec(pinned))
+    table = pq.read_table(materialize_dataset(pinned, tmp_path))
+    assert table.column("size").to_pylist() == ["256x256", "256x256"]
+    judged = pq.read_table(materialize_dataset({"sample": "edit", "rows": 2, "output_size": "256x256", "targets": True},
+                                               tmp_path))  # fmt: skip
+    assert judged.column("size").to_pylist() == ["256x256", "256x256"] and "target" in judged.column_names
+    unpinned = pq.read_table(materialize_dataset({"sample": "edit", "rows": 2}, tmp_path / "auto"))
+    assert "size" not in unpinned.column_names  # "auto": the model picks each row's aspect ratio

@@ -281,26 +281,30 @@ def materialize_dataset(ds: str | dict[str, Any], sweep_dir: Path) -> str:
     from components.data.sample import EDIT_INSTRUCTIONS, GENERATE_PROMPTS, draw_scene
 
     kind, n, size = ds["sample"], int(ds.get("rows", 4)), int(ds.get("size", 64))
+    output_size = str(ds["output_size"]) if "output_size" in ds else None  # pinned: one shape for every config
     if ds.get("targets"):  # procedural scenes with their exact targets: the semantic judge scores the runs
         from components.data.sample import write_sample_edit_dataset, write_sample_generate_dataset
 
         path = sweep_dir / "dataset" / f"sample-{kind}-targets.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
         if kind == "edit":
-            return write_sample_edit_dataset(str(path), n=n, size=size, seed=int(ds.get("seed", 0)), targets=True)
-        return write_sample_generate_dataset(str(path), n=n, seed=int(ds.get("seed", 0)), targets=True)
+            return write_sample_edit_dataset(str(path), n=n, size=size, seed=int(ds.get("seed", 0)), targets=True,
+                                             output_size=output_size or "auto")
+        return write_sample_generate_dataset(str(path), n=n, seed=int(ds.get("seed", 0)), targets=True,
+                                             size=output_size or "auto")
     rng = random.Random(int(ds.get("seed", 0)))
     if kind == "edit":
         table = pa.table({
             "id": [f"edit-{i:04d}" for i in range(n)],
             "instruction": [EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)] for i in range(n)],
             "image": pa.array([draw_scene(size, rng) for _ in range(n)], pa.binary()),
+            **({"size": [output_size] * n} if output_size else {}),
         })  # fmt: skip
     else:
         table = pa.table({
             "id": [f"gen-{i:04d}" for i in range(n)],
             "prompt": [GENERATE_PROMPTS[i % len(GENERATE_PROMPTS)] for i in range(n)],
-            "size": [f"{size}x{size}"] * n,
+            "size": [output_size or f"{size}x{size}"] * n,
         })  # fmt: skip
     path = sweep_dir / "dataset" / f"sample-{kind}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,9 @@ TOP_LEVEL_KEYS = ("name", "description", "base", "grid", "reference", "threshold
                   "precision_budget", "timing")  # fmt: skip
 BUDGET_KEYS = ("determinism", "reuse_drift", "ar_diversity", "gate")
 TIMING_KEYS = ("repeats",)
-SAMPLE_DATASET_KEYS = ("sample", "rows", "size", "seed", "targets")  # targets: for the semantic judge
+# size: the scenes' side in pixels; output_size: every row's `size` ("WIDTHxHEIGHT", pinned so that
+# every config makes the same shape and is compared on pixels); targets: for the semantic judge
+SAMPLE_DATASET_KEYS = ("sample", "rows", "size", "output_size", "seed", "targets")
 OVERRIDE_KEYS = ("name", "match", "thresholds", "gate")
 EXTRA_CONFIG_KEYS = ("name", "params", "thresholds")
 
@@ -296,6 +298,13 @@ def _check_dataset(ds: Any) -> None:
             raise SpecError(f"base.dataset.sample: one of {list(SAMPLE_KINDS)}")
         if int(ds.get("rows", 4)) < 1:
             raise SpecError("base.dataset.rows must be >= 1")
+        if "output_size" in ds:
+            from components.data.datasets import parse_size
+
+            try:
+                parse_size(str(ds["output_size"]))
+            except ValueError as exc:
+                raise SpecError(f"base.dataset.output_size: {exc}") from None
         return
     raise SpecError("base.dataset: a URI or a mapping {sample: edit|generate, rows: N}")
 
