@@ -282,6 +282,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
         check_cuda_present,
         check_engine_options,
         check_pipeline_stages,
+        check_tensor_parallel,
         default_kv_store,
         model_validators,
         resolve_device,
@@ -328,6 +329,7 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
             raise ConfigError(problem)
         if pipeline_parallel_size > 1:
             check_pipeline_stages(model, pipeline_parallel_size)
+        check_tensor_parallel(model, tensor_parallel_size)
         ar = ({"ar_from_run": ar_from_run} if ar_from_run else
               ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, batch_invariant))
         dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache)

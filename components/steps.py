@@ -522,6 +522,8 @@ def run_step(target: str, kwargs: dict[str, Any], progress: Any = None, cfg_para
     stages = int(kwargs.get("pipeline_parallel_size") or 1)
     if stages > 1:
         check_pipeline_stages(kwargs.get("model", "tiny"), stages)
+    if not cfg_parallel:  # CFG-parallel ranks form two groups of world / 2
+        check_tensor_parallel(kwargs.get("model", "tiny"), world)
     global _running_step
     _running_step = kwargs  # what an interrupted step program says was committed (step_main)
     if pool is None and world == 1 and stages == 1 and not cfg_parallel:
@@ -572,6 +574,20 @@ def _ar_budget(kwargs: dict[str, Any]) -> tuple[int | None, int | None] | None:
     except Exception:  # noqa: BLE001 - no budget to go by: the failure stands as it is
         return None
     return None if saved is None else (saved.get("max_rows"), saved.get("kv_budget_bytes"))
+
+
+def check_tensor_parallel(model: str, ranks: int) -> None:
+    """--tensor-parallel-size against the model's heads, experts and MLP widths (each rank gets an
+    equal slice); names the sizes that would work."""
+    from components.engine.parallel import tensor_parallel_problem
+
+    if ranks <= 1:
+        return
+    cfg = describe_model(model)[1]
+    problem = tensor_parallel_problem(cfg, ranks)
+    if problem is not None:
+        fits = [n for n in range(1, max(2, cfg.num_attention_heads) + 1) if tensor_parallel_problem(cfg, n) is None]
+        raise _bad("--tensor-parallel-size", ranks, f"{problem}; this model splits over {', '.join(map(str, fits))}")
 
 
 def check_pipeline_stages(model: str, stages: int) -> None:

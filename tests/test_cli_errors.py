@@ -71,6 +71,8 @@ def one_line_error(code: int, err: str, *needles: str, exit_code: int = 2) -> st
     (["-tp", "0"], ["--tensor-parallel-size 0"]),  # vLLM's spellings are taken
     (["-pp", "0"], ["--pipeline-parallel-size 0"]),
     (["-dp", "0"], ["--data-parallel-size 0"]),
+    (["--tp", "3"], ["--tensor-parallel-size 3", "4 does not divide over 3", "splits over 1, 2, 4"]),
+    (["-tp", "64"], ["--tensor-parallel-size 64", "splits over 1, 2, 4"]),  # started 64 rank processes
     (["-o", ""], ["--output ''", "empty"]),  # wrote into the current directory
     (["--run-id", ""], ["--run-id ''", "empty"]),  # started a new run
     (["--kv-store", " "], ["--kv-store ' '", "empty"]),

@@ -319,6 +319,31 @@ def kv_head_range(num_kv_heads: int, num_heads: int, world: int, rank: int) -> t
     return head, head + 1
 
 
+def tensor_parallel_problem(cfg, world: int) -> str | None:
+    """Why `cfg`'s layers cannot be split over `world` tensor-parallel ranks (None when they can): the
+    rules `parallelize` applies, checked before any rank starts."""
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    groups = heads // kv_heads
+    try:
+        for rank in range(world):
+            kv_head_range(kv_heads, heads, world, rank)
+            if world > kv_heads:
+                q0, q1 = split(heads, world, rank, "num_attention_heads")
+                if (q1 - 1) // groups != q0 // groups:
+                    raise ValueError(f"{world} ranks would split a rank's query heads over two KV groups")
+        for i in range(cfg.num_hidden_layers):
+            if not cfg.is_moe_layer(i):
+                split(cfg.intermediate_size, world, 0, f"layer {i} intermediate size")
+                continue
+            split(cfg.layer("num_experts", i), world, 0, f"layer {i} num_experts")
+            if cfg.use_mixed_mlp_moe:
+                shared = cfg.layer("moe_intermediate_size", i) * cfg.layer("num_shared_expert", i)
+                split(shared, world, 0, f"layer {i} shared expert intermediate size")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r @ W_r^T: this rank's input slice times its weight columns, then one
     all-reduce (the bias, if any, is added once, after the sum)."""
