@@ -170,6 +170,51 @@ def test_a_missing_part_is_absent_with_a_reason_that_reads(mooncake_url, run):
         store.close()
 
 
+@pytest.mark.servers
+def test_close_waits_for_a_get_call_left_in_flight_before_tearing_the_client_down(mooncake_url, run):
+    """A get whose first part group is missing returns at once while later groups are still inside
+    the client. Closing the store then must not tear the client down under them: that killed the
+    whole test process with SIGSEGV in CI. Here later groups are held a second inside the call; the
+    child process keeps a regression from taking the suite down with it."""
+    child = """
+        import re, sys, threading, time, torch
+        from components.kvstore import open_store
+        from tests.test_kvstore_payload import make_kv
+        url, run = sys.argv[1], sys.argv[2]
+        store = open_store(url + "&part=1MB&buffer=1MB&timeout=20&get_groups=3")
+        key = f"{run}/0/0"
+        store.put(key, make_kv(torch.bfloat16, layers=3, tokens=2000, heads=4, head_dim=64))  # ~6 MB
+        parts = sorted((k for k in store.raw_keys() if k.startswith(key + "#")), key=lambda k: int(k.rsplit(".", 1)[1]))
+        store._remove_regex("^" + re.escape(parts[0]) + "$")
+        events, real = [], store._ms
+
+        class SlowClient:  # the real client; groups without the missing part take a second longer
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def batch_get_into(self, keys, ptrs, sizes):
+                if parts[0] not in keys:
+                    time.sleep(1.0)
+                rcs = real.batch_get_into(keys, ptrs, sizes)
+                events.append("get")
+                return rcs
+
+            def close(self):
+                events.append("close")
+                return real.close()
+
+        store._ms = SlowClient()
+        r = store.get(key, "tiny", "cfg1")
+        assert r.kv is None and r.code == "missing" and "no part 1/" in r.reason, r.reason
+        store.close()
+        cleanup = open_store(url)
+        cleanup.delete_prefix(run)
+        cleanup.close()
+        print(",".join(events))
+    """
+    assert run_py(child, mooncake_url, run) == "get,get,get,close"
+
+
 def test_corrupted_payload_is_absent_with_reason(store, run):
     kv = make_kv(torch.bfloat16, layers=3, tokens=400, heads=4, head_dim=64)
     store.put(f"{run}/0/0", kv)

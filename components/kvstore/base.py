@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -253,6 +254,7 @@ class DaemonPool:
         for _ in self._threads:
             self._queue.put(None)
         if wait:
+            end = None if timeout is None else time.monotonic() + timeout
             for t in self._threads:
-                t.join(timeout)
+                t.join(None if end is None else max(0.0, end - time.monotonic()))
         return not any(t.is_alive() for t in self._threads)

@@ -279,6 +279,7 @@ class MooncakeStore(KVStore):
         self._abandoned: list[
             Any
         ] = []  # buffers a timed-out transfer may still write into
+        self._abandoned_pools: list[base.DaemonPool] = []  # threads that may still be in such a call
         self._exec = self._executor()  # put parts in flight, single calls
         self._seq = self._executor(1)  # get groups, one after another
         self._failed_at = 0.0
@@ -362,8 +363,9 @@ class MooncakeStore(KVStore):
         """A call may still be writing into our buffers: never reuse or free them."""
         self._abandoned += [b for b in (self._buf, self._hbuf) if b is not None]
         self._buf = self._hbuf = None
-        self._exec.shutdown(wait=False)
-        self._seq.shutdown(wait=False)
+        for pool in (self._exec, self._seq):
+            pool.shutdown(wait=False)
+            self._abandoned_pools.append(pool)
         self._exec, self._seq = self._executor(), self._executor(1)
 
     def _executor(self, n: int = 0) -> base.DaemonPool:
@@ -776,6 +778,18 @@ class MooncakeStore(KVStore):
         return Health(rc == 0, f"mooncake master {self.cfg.master}: {detail}")
 
     def close(self) -> None:
+        # A call abandoned after a failed or timed-out get may still be inside the client: tearing
+        # the client down under it crashes the process (SIGSEGV). Give such calls
+        # a few seconds to end; a client still busy after that is left open (process exit frees it).
+        deadline = time.monotonic() + min(self.cfg.timeout, 5.0)
+        self._abandoned_pools = [
+            pool
+            for pool in self._abandoned_pools
+            if not pool.shutdown(wait=True, timeout=max(0.0, deadline - time.monotonic()))
+        ]
+        self._exec.shutdown(wait=False)
+        if self._abandoned_pools:
+            return
         if self._ms is not None:
             for b in (self._buf, self._hbuf):
                 if b is not None:
@@ -784,4 +798,3 @@ class MooncakeStore(KVStore):
             with _mooncake_logs():
                 self._ms.close()
             self._ms = None
-        self._exec.shutdown(wait=False)
