@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    from components.ranks import RankPool
+    from components.runtime.ranks import RankPool
 
     report = {"rows": args.rows, "cot_tokens": args.cot_tokens, "hidden": args.hidden, "layers": args.layers,
               "edit": args.edit, "arms": {}}
@@ -96,7 +96,7 @@ def main() -> None:
         checkpoint = str(write_checkpoint(Path(work) / "wide-tiny", args.hidden, args.layers))
         for name, groups in (("one group (before)", "off"), ("a group per stage", "auto")):
             with RankPool(1, "cpu", pipeline_parallel_size=2, cpu_threads=1) as pool:
-                got = pool.run("benchmarks.ar_row_groups_cpu:run_rank",
+                got = pool.run(run_rank,
                                dict(checkpoint=checkpoint, rows=args.rows, cot_tokens=args.cot_tokens,
                                     row_groups=groups, edit=args.edit))
             stats = got["stats"]

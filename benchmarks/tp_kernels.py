@@ -16,7 +16,7 @@ a few hundred queries over the cached prefix), flex vs SDPA with the dense mask,
 with the first error; optionally with the GPU memory filled up to a few GiB first (`--squeeze`).
 
 `stack`: a full-width, reduced-depth stack (dummy weights, FP8 as `--quantization fp8` loads it)
-on `--tp` ranks (components.ranks, NCCL): DiT steps over a cached prefix at several image buckets
+on `--tp` ranks (components.runtime.ranks, NCCL): DiT steps over a cached prefix at several image buckets
 (plain, compiled per bucket, compiled dynamic in the token count: the first call, compile included,
 and the median warm step), an AR prefill, and AR decode (plain; CUDA graphs at TP1). Times are
 CUDA-event medians of the whole stack on rank 0.
@@ -319,10 +319,10 @@ def main() -> None:
         if args.tp == 1:
             rank_stack(args.layers, args.out)
         else:
-            from components.ranks import RankPool
+            from components.runtime.ranks import RankPool
 
             with RankPool(args.tp, "cuda") as pool:
-                pool.run("benchmarks.tp_kernels:rank_stack", {"layers": args.layers, "out": args.out})
+                pool.run(rank_stack, {"layers": args.layers, "out": args.out})
         return
     if args.section == "shapes":
         info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": [heads, kv_heads],

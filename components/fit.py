@@ -62,7 +62,7 @@ def replicated_parameter_bytes(model: str, dtype: str | None = None) -> int:
     from components.engine.transformer import HunyuanImage3ForCausalMM
     from components.engine.vae import build_vae
     from components.engine.vit import LightProjector, vision_parameter_count
-    from components.steps import describe_model
+    from components.models import describe_model
 
     config = describe_model(model)[1]
     model_bytes = DTYPE_BYTES[dtype or config.torch_dtype]
@@ -168,7 +168,7 @@ def check_fit(model: str, free_bytes: list[float], *, tensor_parallel_size: int 
     estimate of one model copy running one row at a time exceeds the smallest free memory of the
     GPUs it would use. One row: --batch-size is a cap, the AR's scheduler admits what the memory
     left after the weights holds (ar_scheduler.Admission) and halves on OOM."""
-    from components.steps import describe_model
+    from components.models import describe_model
 
     config = describe_model(model)[1]
     replicated = replicated_parameter_bytes(model, dtype)
@@ -213,7 +213,7 @@ def check_host_fit(model: str, available: float, *, processes: int = 1, tensor_p
     """ConfigError (one line) when the weights of a CPU job's processes alone exceed the host memory
     available: the full-size model on a CPU is otherwise killed by the kernel's OOM killer partway
     through its load, with no word of why (it happened here: 80B in FP8 on a 24 GB machine)."""
-    from components.steps import describe_model
+    from components.models import describe_model
 
     config = describe_model(model)[1]
     per_process = estimate(config, replicated_parameter_bytes(model, dtype), tensor_parallel_size=tensor_parallel_size,

@@ -110,7 +110,7 @@ MODEL_NAMES = ("tiny", "hunyuan-image-3", "hunyuan-image-3-distil", "demo")
 def check_model_name(model: str) -> None:
     """A --model that can only be a model's name (no path, no repo id) is one, else a ConfigError now:
     a typo is answered before torch and the engine are imported, seconds earlier (the full check,
-    with checkpoint directories and the Hugging Face cache, is components.steps.resolve_model)."""
+    with checkpoint directories and the Hugging Face cache, is components.models.resolve_model)."""
     import difflib
 
     path = Path(model).expanduser()
@@ -142,7 +142,7 @@ def check_weights(model: str, weights: str | None, dummy_weights: bool) -> None:
     """A checkpoint's safetensors are there (every shard its index names) unless random weights
     were asked for: a download without its weights fails here, not after the run started."""
     from components.engine.weights import CheckpointError, checkpoint_files
-    from components.steps import resolve_model
+    from components.models import resolve_model
 
     ref = resolve_model(model)
     if dummy_weights or (ref.kind == "preset" and weights is None):
@@ -158,7 +158,7 @@ def check_weights(model: str, weights: str | None, dummy_weights: bool) -> None:
 
 def check_kv_store(url: str) -> None:
     """The KV store URL parses, its backend is installed and its servers answer."""
-    from components.steps import open_kv_store
+    from components.run_kv import open_kv_store
 
     store = open_kv_store(url)
     try:
@@ -212,7 +212,7 @@ def check_memory(*, model: str, device: str, gpus: int | None, data_parallel_siz
     all its processes fit the host's memory (components.fit). `probe`: a FreeMemoryProbe started
     earlier, if any."""
     from components.fit import available_host_memory, check_fit, check_host_fit, free_gpu_memory
-    from components.steps import describe_model
+    from components.models import describe_model
 
     if not device.startswith("cuda"):
         available = available_host_memory()
@@ -274,20 +274,14 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     step remembers."""
     from components.ar.run import ar_settings
     from components.data.runs import RunLayout
+    from components.devices import check_cuda_present, resolve_device
     from components.dit.run import dit_settings
+    from components.generation import resolve_generation
+    from components.models import model_validators
+    from components.options import KINDS, check_bench_cot, check_engine_options
+    from components.run_kv import default_kv_store
+    from components.runtime.layout import check_pipeline_stages, check_tensor_parallel
     from components.shard.run import check_existing, shard_identity
-    from components.steps import (
-        KINDS,
-        check_bench_cot,
-        check_cuda_present,
-        check_engine_options,
-        check_pipeline_stages,
-        check_tensor_parallel,
-        default_kv_store,
-        model_validators,
-        resolve_device,
-        resolve_generation,
-    )
 
     if kind not in KINDS:
         raise ConfigError(f"kind {kind!r}: must be one of {', '.join(KINDS)}")

@@ -25,8 +25,8 @@ import typer
 from typer.core import TyperCommand
 
 from components.errors import one_line
-from components.ranks import dump_stacks_on_signal, gpu_env_defaults, rank_timeout_s
 from components.kvstore.cli import app as store_app
+from components.runtime.ranks import dump_stacks_on_signal, gpu_env_defaults, rank_timeout_s
 from pipeline.sweep import app as sweep_app
 from pipeline.cli_orchestration import app as orchestration_app
 
@@ -338,7 +338,7 @@ def _job_command(kind: str):
         max_num_batched_tokens: MaxNumBatchedTokens = None, batch_invariant: BatchInvariant = False,
         kv_store: KVStore = None, no_kv_reuse: NoKVReuse = False,
     ) -> None:
-        from components.steps import auto_or_int
+        from components.options import auto_or_int
 
         _refuse_empty({"DATASET": dataset, "--output": output, "--run-id": run_id, "--num-shards": num_shards,
                        "--model": model, "--weights": weights, "--quantization": quantization, "--dtype": dtype,

@@ -138,7 +138,7 @@ def run_local(output: str, dataset: str | None = None, run_id: str | None = None
     """
     from kfp import local
 
-    from components.steps import generation_defaults
+    from components.generation import generation_defaults
 
     defaults = generation_defaults(model)  # None: the model's generation config, as `ardit edit`
     steps = defaults["steps"] if steps is None else steps

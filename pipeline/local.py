@@ -24,8 +24,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# The step functions a shard runs (module:function, importable by rank processes).
-STEP_TARGETS = {"ar": "components.ar.run:run", "dit": "components.dit.run:run"}
+from components.ar.run import run as ar_run
+from components.dit.run import run as dit_run
+
+# The step functions a shard runs (module-level functions: rank processes receive them by reference).
+STEP_TARGETS = {"ar": ar_run, "dit": dit_run}
 
 
 class ReplicasFailed(RuntimeError):
@@ -56,7 +59,7 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
-    from components.steps import check_engine_options, quantization_option
+    from components.options import check_engine_options, quantization_option
     from components.summary.run import run as run_summary
     from components.summary.run import split_by_replica, summarize
 
@@ -189,7 +192,7 @@ def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[str, d
 
     from components.errors import one_line
     from components.progress import SharedProgress
-    from components.steps import rank_pool, run_step
+    from components.runtime.dispatch import rank_pool, run_step
 
     state = _Replicas(todo)
     world = tensor_parallel_size * pipeline_parallel_size

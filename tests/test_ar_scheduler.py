@@ -243,7 +243,7 @@ def test_forced_cot_sets_each_rows_length(engine, forced):
 
 def test_bench_cot_needs_dummy_weights(monkeypatch):
     from components.errors import ConfigError
-    from components.steps import check_bench_cot
+    from components.options import check_bench_cot
 
     monkeypatch.setenv("ARDIT_BENCH_COT_TOKENS", "lognormal:300:30:1500")
     assert check_bench_cot("hunyuan-image-3", None, True).median == 300
@@ -315,7 +315,7 @@ def test_the_run_keeps_the_halved_budget_for_its_next_steps(tmp_path, monkeypatc
     from components.data.runs import RunLayout
     from components.data.sample import write_sample_edit_dataset
     from components.shard.run import run as run_shard
-    from components.steps import load_engine
+    from components.models import load_engine
 
     dataset = write_sample_edit_dataset(str(tmp_path / "edit.parquet"), n=4, size=64)
     output = str(tmp_path / "out")
@@ -337,7 +337,7 @@ def test_the_run_keeps_the_halved_budget_for_its_next_steps(tmp_path, monkeypatc
 def test_step_options_are_checked_and_passed(monkeypatch, tmp_path):
     import components.ar.__main__ as ar_main
     from components.errors import ConfigError
-    from components.steps import check_engine_options
+    from components.options import check_engine_options
 
     seen = {}
     monkeypatch.setattr(ar_main, "run_step", lambda target, kwargs, progress: seen.update(kwargs) or {})

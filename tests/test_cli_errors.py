@@ -191,7 +191,7 @@ def test_resume_with_other_settings_is_refused(capfd, tmp_path, datasets):
     of exiting 0 with the old images. Leaving --steps out means the generation config's value."""
     from components.data.runs import RunLayout
     from components.dit.run import dit_settings
-    from components.steps import generation_defaults, resolve_generation
+    from components.generation import generation_defaults, resolve_generation
 
     gen = resolve_generation("tiny")
     RunLayout.open(str(tmp_path / "out"), "r2").remember_settings(
@@ -299,7 +299,7 @@ def test_one_exit_2_handler_for_the_cli_and_the_step_programs(capsys, monkeypatc
     are each one line `PROG: error: ...` and exit code 2; other errors are not swallowed."""
     import pipeline.local
     from components.errors import ConfigError
-    from components.steps import step_main
+    from components.step_program import step_main
     from pipeline.cli import main
 
     multi = ConfigError("--thing 3: out of range\n  pass 1 or 2\tinstead")

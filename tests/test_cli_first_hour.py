@@ -243,7 +243,7 @@ def test_store_up_without_the_mooncake_extra(capfd, tmp_path, monkeypatch):
 
 def test_an_unsupported_size_lists_the_supported_ones():
     from components.data.datasets import validate_rows
-    from components.steps import model_validators
+    from components.models import model_validators
 
     _, is_supported_size, _ = model_validators("tiny")
     _, errors = validate_rows([{"id": "a", "prompt": "a fox", "size": "123x77"}], "generate",
@@ -261,7 +261,7 @@ def test_the_quick_model_name_check_knows_every_model_name():
     from components.engine import resolve
     from components.errors import ConfigError
     from components.preflight import MODEL_NAMES, check_model_name
-    from components.steps import resolve_model
+    from components.models import resolve_model
 
     assert set(resolve.PRESETS) <= set(MODEL_NAMES)
     assert getattr(resolve, "DEMO", "demo") in MODEL_NAMES
@@ -278,7 +278,7 @@ def test_forced_cot_lengths_take_any_preset_without_weights(monkeypatch, tmp_pat
     """The presets load seeded random weights (as --help says), so ARDIT_BENCH_COT_TOKENS needs no
     --dummy-weights with them; with real weights it is still refused."""
     from components.errors import ConfigError
-    from components.steps import check_bench_cot
+    from components.options import check_bench_cot
 
     monkeypatch.setenv("ARDIT_BENCH_COT_TOKENS", "8")
     assert check_bench_cot("hunyuan-image-3", None, False) is not None
@@ -288,7 +288,7 @@ def test_forced_cot_lengths_take_any_preset_without_weights(monkeypatch, tmp_pat
 
 
 def test_the_load_line_says_cpu_processes_off_the_gpu():
-    from components.steps import describe_load
+    from components.models import describe_load
 
     assert "2 CPU processes" in describe_load("tiny", None, False, None, 2, "cpu")
     assert "4 GPUs" in describe_load("tiny", None, False, None, 2, "cuda", pipeline_parallel_size=2)

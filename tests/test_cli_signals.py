@@ -105,7 +105,7 @@ def test_sigterm_stops_a_tensor_parallel_step_program_with_exit_143(tmp_path):
     how to resume, exit 143, and its rank processes stopped with it. It died silently before."""
     from components.data.sample import write_sample_edit_dataset
     from components.shard.run import run as run_shard
-    from components.steps import model_validators
+    from components.models import model_validators
 
     data = write_sample_edit_dataset(str(tmp_path / "e.parquet"), n=2)
     out = str(tmp_path / "out")
@@ -137,7 +137,7 @@ def test_sigterm_stops_a_tensor_parallel_step_program_with_exit_143(tmp_path):
 
 def test_sigterm_stops_a_one_process_step_program_with_exit_143():
     """A step program without ranks (a DiT at TP 1, the shard and summary steps): the same line."""
-    code = ("import os, signal, sys, time; from components.steps import step_main; "
+    code = ("import os, signal, sys, time; from components.step_program import step_main; "
             "sys.exit(step_main('python -m components.dit', "
             "lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(60), 0)[-1]))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,

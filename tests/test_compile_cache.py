@@ -91,7 +91,7 @@ def test_a_cache_that_cannot_be_unpacked_costs_compiles_not_the_step(tmp_path, c
 
 
 def test_the_cache_is_off_on_the_cpu_and_when_turned_off(tmp_path, monkeypatch):
-    from components.steps import load_engine
+    from components.models import load_engine
 
     engine = load_engine("tiny", None, "cpu", None)
     monkeypatch.delenv("ARDIT_COMPILE_CACHE", raising=False)

@@ -19,6 +19,7 @@ import pytest
 
 from components.data.runs import RunLayout
 
+from . import parallel_targets
 from .test_engine_helpers import psnr
 
 pytestmark = pytest.mark.slow
@@ -50,12 +51,12 @@ def _targets(monkeypatch, ar: str | None = None, dit: str | None = None) -> None
     from pipeline import local
 
     targets = dict(local.STEP_TARGETS)
-    targets.update({k: f"tests.parallel_targets:{v}" for k, v in (("ar", ar), ("dit", dit)) if v})
+    targets.update({k: getattr(parallel_targets, v) for k, v in (("ar", ar), ("dit", dit)) if v})
     monkeypatch.setattr(local, "STEP_TARGETS", targets)
 
 
 def test_two_replicas_match_one_and_each_loads_its_engine_once(dataset, tmp_path, monkeypatch):
-    from components import steps
+    from components import models
     from components.engine import Engine
     from pipeline.local import run_job
 
@@ -63,7 +64,7 @@ def test_two_replicas_match_one_and_each_loads_its_engine_once(dataset, tmp_path
     loads = []
     plain = Engine.load.__func__
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **kw: loads.append(1) or plain(cls, *a, **kw)))
-    steps._cached_engine.cache_clear()
+    models._cached_engine.cache_clear()
     one = run_job(dataset, out, "dp1", data_parallel_size=1, **JOB)
     assert len(loads) == 1  # the one-process job: AR and DiT of all 4 shards share one engine
     assert {s.get("replica") for s in one["shards"]} == {0}

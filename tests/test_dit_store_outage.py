@@ -64,7 +64,7 @@ def test_store_outage_body(ar_done, monkeypatch, tmp_path, sig):  # noqa: F811
         pytest.skip("runs in a child process (test_store_outage_mid_shard_costs_one_timeout_at_most)")
     pytest.importorskip("mooncake.store", exc_type=ImportError)
     from components.kvstore import open_store
-    from components.steps import default_kv_store
+    from components.run_kv import default_kv_store
 
     output, run_id = ar_done
     ids = list(_payloads(output, run_id))

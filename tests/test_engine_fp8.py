@@ -37,6 +37,7 @@ from components.engine.quant import (
 from components.engine.transformer import Experts, HunyuanImage3ForCausalMM, MoE
 from components.engine.weights import init_dummy_weights, save_pretrained
 
+from . import parallel_targets
 from .test_engine_helpers import psnr, tiny_engine
 
 
@@ -460,7 +461,7 @@ def test_fp8_checkpoint_loads_on_tensor_parallel_ranks(tmp_path, tiny_plain, tin
     its experts only: every rank's tensors are bitwise the slices of the unsliced model (checked on the
     ranks). Outputs differ from TP1 only by the row-parallel layers' per-slice activation scales."""
     from components.engine import Engine
-    from components.ranks import run_on_ranks
+    from components.runtime.ranks import run_on_ranks
     from tests.fixtures_checkpoint import write_tiny_checkpoint_files
 
     ckpt = save_pretrained_fp8(tiny_fp8, tiny_plain.config, tmp_path / "fp8")
@@ -474,7 +475,7 @@ def test_fp8_checkpoint_loads_on_tensor_parallel_ranks(tmp_path, tiny_plain, tin
     # ranks would widen its own tolerance.
     _assert_loader_matches_disk(tp1_engine.model, _dequantize_from_disk(ckpt), block_scaled=block_scales)
     tp1 = _tp_logits_and_latents(tp1_engine)
-    tp2 = run_on_ranks("tests.parallel_targets:fp8_checkpoint_logits", {"checkpoint": str(ckpt)}, world_size=2,
+    tp2 = run_on_ranks(parallel_targets.fp8_checkpoint_logits, {"checkpoint": str(ckpt)}, world_size=2,
                        device="cpu")
     plain = _tp_logits_and_latents(Engine.load("tiny"))
     for key in ("logits", "latents"):

@@ -27,6 +27,7 @@ from components.engine.kvcache import PromptKV
 from components.engine.parallel import ParallelContext, kv_head_range
 from components.engine.transformer import attention_mask
 
+from . import parallel_targets
 from .test_engine_helpers import psnr, random_image
 
 PROMPT = "a red cat on a sofa"
@@ -158,9 +159,9 @@ def test_kv_moves_between_layouts(single, tmp_path):
 def test_cfg_parallel_dit_matches_one_process(single, tmp_path):
     """4 ranks as two tensor-parallel groups of 2: one computes the cond row, the other the uncond
     row, and they trade predictions each step; the result equals the single-process CFG batch."""
-    from components.ranks import run_on_ranks
+    from components.runtime.ranks import run_on_ranks
 
-    run_on_ranks("tests.parallel_targets:engine_row", {"outdir": str(tmp_path)}, world_size=4, device="cpu",
+    run_on_ranks(parallel_targets.engine_row, {"outdir": str(tmp_path)}, world_size=4, device="cpu",
                  cfg_parallel=True)
     outs = {p.name: pickle.load(open(p, "rb")) for p in tmp_path.glob("rank*.pkl")}
     assert sorted(outs) == ["rank0_0.pkl", "rank0_1.pkl", "rank1_0.pkl", "rank1_1.pkl"]
@@ -200,9 +201,9 @@ def test_tensor_parallel_ranks_agree_on_each_decode_graph(failing_rank):
     """A decode graph under tensor parallelism holds the layers' all-reduces, so the ranks must all
     replay it or all run the step eagerly: one rank's failed capture sends every rank to the eager
     step (each counts a fallback); captures are thread-local (NCCL's watchdog polls meanwhile)."""
-    from components.ranks import run_on_ranks
+    from components.runtime.ranks import run_on_ranks
 
-    got = run_on_ranks("tests.parallel_targets:decode_graph_agreement", {"failing_rank": failing_rank},
+    got = run_on_ranks(parallel_targets.decode_graph_agreement, {"failing_rank": failing_rank},
                        world_size=2, device="cpu")
     if failing_rank is None:
         expected = {"out": [0.0], "kept_anywhere": 1, "graphs_anywhere": 1, "fallbacks": 0}  # replayed

@@ -22,8 +22,9 @@ from components.engine.ar import ARRequest, SamplingParams
 from components.engine.dit import DiTRequest
 from components.engine.kvcache import PromptKV
 from components.engine.parallel import stage_layers
-from components.ranks import run_on_ranks
+from components.runtime.ranks import run_on_ranks
 
+from . import parallel_targets
 from .test_engine_helpers import psnr, random_image
 
 
@@ -45,7 +46,7 @@ def single():
 
 def _stages(tmp_path, tp: int, pp: int, kv_file: str | None = None) -> dict[tuple[int, int], dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    run_on_ranks("tests.parallel_targets:pipeline_row", {"outdir": str(tmp_path), "kv_file": kv_file},
+    run_on_ranks(parallel_targets.pipeline_row, {"outdir": str(tmp_path), "kv_file": kv_file},
                  world_size=tp, device="cpu", pipeline_parallel_size=pp)
     return {(s, r): pickle.load(open(tmp_path / f"rank{s}_{r}.pkl", "rb")) for s in range(pp) for r in range(tp)}
 
@@ -57,7 +58,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_stage_handoffs_carry_their_dtype_and_shape(tmp_path):
     """A stage allocates what actually comes (a stage's output may be wider than its own input;
     NCCL send/recv of unequal byte counts would hang instead of failing)."""
-    run_on_ranks("tests.parallel_targets:stage_handoffs", {"outdir": str(tmp_path)}, world_size=1, device="cpu",
+    run_on_ranks(parallel_targets.stage_handoffs, {"outdir": str(tmp_path)}, world_size=1, device="cpu",
                  pipeline_parallel_size=2)
     first, last = (pickle.load(open(tmp_path / f"stage{s}.pkl", "rb")) for s in range(2))
     received = last["received"]
@@ -73,7 +74,7 @@ def test_stage_links_opened_at_start_leave_nothing_behind(tmp_path, tp, pp):
     then, so the first real hand-offs and the way back carry their own values."""
     import json
 
-    run_on_ranks("tests.parallel_targets:stage_round_trip", {"outdir": str(tmp_path)}, world_size=tp, device="cpu",
+    run_on_ranks(parallel_targets.stage_round_trip, {"outdir": str(tmp_path)}, world_size=tp, device="cpu",
                  pipeline_parallel_size=pp)
     assert [json.load(open(tmp_path / f"tp{r}.json")) for r in range(tp)] == [float(pp)] * tp
 
@@ -157,7 +158,7 @@ def test_the_wavefront_over_rows_equals_row_by_row(tmp_path):
     images stage 1 decoded; the prefixes go through the stages without waiting); the rows differ,
     so a row given another's latents, cache or step would show."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    run_on_ranks("tests.parallel_targets:pipeline_group", {"outdir": str(tmp_path)}, world_size=1, device="cpu",
+    run_on_ranks(parallel_targets.pipeline_group, {"outdir": str(tmp_path)}, world_size=1, device="cpu",
                  pipeline_parallel_size=2)
     for stage in range(2):
         out = pickle.load(open(tmp_path / f"rank{stage}_0.pkl", "rb"))
@@ -198,7 +199,7 @@ def test_the_ar_scheduler_keeps_a_row_group_in_each_stage(tmp_path, tp, row_grou
                      admission=Admission(max_rows=4, max_num_batched_tokens=CHUNK))
     from components.engine.parallel import kv_head_range
 
-    run_on_ranks("tests.parallel_targets:pipeline_scheduler", {"outdir": str(tmp_path), "row_groups": row_groups},
+    run_on_ranks(parallel_targets.pipeline_scheduler, {"outdir": str(tmp_path), "row_groups": row_groups},
                  world_size=tp, device="cpu", pipeline_parallel_size=2)
     groups = 2 if row_groups == "auto" else 1  # off: one group, each forward through the stages in turn
     encoded = []

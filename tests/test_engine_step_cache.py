@@ -9,7 +9,7 @@ import torch
 
 from components.engine import ARRequest, DiTRequest, SamplingParams
 from components.errors import ConfigError
-from components.steps import check_engine_options
+from components.options import check_engine_options
 
 from .test_engine_helpers import random_image, stub_vae_decode, tiny_engine
 

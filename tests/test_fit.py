@@ -11,8 +11,8 @@ import pytest
 
 from components.errors import ConfigError
 from components.fit import CUDA_CONTEXT_BYTES, DTYPE_BYTES, check_fit, estimate, replicated_parameter_bytes
+from components.models import describe_model
 from components.preflight import parallel_layout
-from components.steps import describe_model
 
 MODEL = "hunyuan-image-3"
 GB = 1e9

@@ -219,7 +219,8 @@ def test_dit_killed_after_first_row_resumes_without_redoing_it(tmp_path):
     from components.data.sample import write_sample_edit_dataset
     from components.kvstore import open_store
     from components.shard.run import run as run_shard
-    from components.steps import default_kv_store, model_validators
+    from components.models import model_validators
+    from components.run_kv import default_kv_store
     from components.summary.run import run as run_summary
 
     dataset = write_sample_edit_dataset(str(tmp_path / "data"), n=3, size=64, seed=7)
@@ -410,7 +411,7 @@ def test_dit_step_fails_cleanly_on_an_s3_outage_at_commit_then_resumes(s3_env, s
     from components.data.objectstore import open_object_store
     from components.data.sample import write_sample_generate_dataset
     from components.shard.run import run as run_shard
-    from components.steps import model_validators
+    from components.models import model_validators
 
     dataset = write_sample_generate_dataset(f"{s3_prefix}/data", n=2, seed=13)
     output, run_id = f"{s3_prefix}/out", f"outage-{uuid.uuid4().hex[:8]}"  # the local KV dir is per run id
@@ -589,7 +590,7 @@ def test_dit_step_survives_a_mooncake_master_restart(tmp_path, monkeypatch):
     from components.data.sample import write_sample_generate_dataset
     from components.dit.run import run as run_dit
     from components.shard.run import run as run_shard
-    from components.steps import load_engine
+    from components.models import load_engine
     from tests.fixtures_mooncake import start_servers
 
     srv = start_servers(tmp_path / "mc", segment="128MB")

@@ -18,7 +18,7 @@ from components.data.runs import RunLayout
 from components.engine import SamplingParams, kernels
 from components.engine.ar import ARGenerator
 from components.engine.generation_config import tiny_generation_config
-from components.steps import resolve_generation
+from components.generation import resolve_generation
 
 pytestmark = pytest.mark.slow
 

@@ -191,7 +191,7 @@ def test_kernel_fallbacks_reach_the_rows_and_the_summary(tmp_path, monkeypatch):
     from components.data.sample import write_sample_edit_dataset
     from components.dit.run import run as run_dit
     from components.shard.run import run as run_shard
-    from components.steps import model_validators
+    from components.models import model_validators
     from components.summary.run import run as run_summary
 
     from .test_engine_helpers import stub_vae_decode

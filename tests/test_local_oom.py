@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 
 from components.data.runs import RunLayout
-from tests.oom_targets import OOM_MARKER_ENV, OOM_RANK_ENV, OOM_SHARD_ENV
+from tests.oom_targets import (
+    OOM_MARKER_ENV,
+    OOM_RANK_ENV,
+    OOM_SHARD_ENV,
+    ar_out_of_memory_in_a_job_forward_once,
+)
 
 AR = dict(bot_task="think_recaption", system_prompt="en_unified", max_new_tokens=6, temperature=0.0, top_k=0,
           top_p=1.0)
@@ -32,7 +37,7 @@ def test_a_job_whose_ar_runs_out_of_memory_mid_forward_halves_and_completes(data
     from pipeline.local import run_job
 
     marker = tmp_path / "oom-fired"
-    monkeypatch.setitem(pipeline.local.STEP_TARGETS, "ar", "tests.oom_targets:ar_out_of_memory_in_a_job_forward_once")
+    monkeypatch.setitem(pipeline.local.STEP_TARGETS, "ar", ar_out_of_memory_in_a_job_forward_once)
     monkeypatch.setenv(OOM_MARKER_ENV, str(marker))
     monkeypatch.setenv(OOM_RANK_ENV, str(bad_rank))
     monkeypatch.setenv(OOM_SHARD_ENV, "1")  # the second shard: the first is committed by then

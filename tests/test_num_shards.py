@@ -54,7 +54,7 @@ def test_auto_gives_every_model_copy_a_shard_and_a_resume_keeps_the_sharding(dat
 
 @pytest.mark.parametrize("bad", ["many", 0, -2])
 def test_a_bad_shard_count_is_refused_naming_auto(dataset, tmp_path, bad):
-    from components.steps import auto_or_int
+    from components.options import auto_or_int
 
     with pytest.raises(ConfigError, match="must be auto or a whole number"):
         _plan(dataset, str(tmp_path), "bad", auto_or_int(bad))

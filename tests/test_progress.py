@@ -71,7 +71,7 @@ def test_a_lost_replica_is_said_and_its_redone_steps_are_counted():
 def test_a_rank_that_died_is_the_root_cause_not_its_neighbours_errors():
     """Issue 35: of 9 killed pipeline stages, one was reported as another rank's unrelated
     AttributeError (a neighbour failing on what the killed stage never sent)."""
-    from components.ranks import _root_cause
+    from components.runtime.ranks import _root_cause
 
     outcome = {0: ("error", "AttributeError: 'NoneType' object has no attribute 'shape'"),
                1: ("error", "exited with code -9 (killed or crashed)"),

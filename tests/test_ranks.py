@@ -7,17 +7,18 @@ import os
 
 import pytest
 
-from components.ranks import SAFE_NCCL_ENV, RankFailed, gpu_env_defaults, run_on_ranks
+from components.runtime.ranks import SAFE_NCCL_ENV, RankFailed, gpu_env_defaults, run_on_ranks
+from tests import parallel_targets
 
 
 def test_ranks_run_and_rank0_result_comes_back():
-    assert run_on_ranks("tests.parallel_targets:sum_ranks", {"value": 10}, world_size=3, device="cpu") == 3 * 10 + 0 + 1 + 2
+    assert run_on_ranks(parallel_targets.sum_ranks, {"value": 10}, world_size=3, device="cpu") == 3 * 10 + 0 + 1 + 2
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_failed_rank_fails_the_step_and_stops_the_others(how, tmp_path):
     with pytest.raises(RankFailed, match=r"rank 1 of 2 failed") as e:
-        run_on_ranks("tests.parallel_targets:fail_on_rank", {"bad_rank": 1, "how": how, "marker_dir": str(tmp_path)},
+        run_on_ranks(parallel_targets.fail_on_rank, {"bad_rank": 1, "how": how, "marker_dir": str(tmp_path)},
                      world_size=2, device="cpu")
     if how == "raise":
         assert "row 3: this rank could not read its weights" in str(e.value)
@@ -30,38 +31,38 @@ def test_a_failed_rank_fails_the_step_and_stops_the_others(how, tmp_path):
 
 def test_more_ranks_than_gpus_is_one_line():
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 64 needs 64 GPUs, this machine has \d+"):
-        run_on_ranks("tests.parallel_targets:sum_ranks", {"value": 0}, world_size=64, device="cuda")
+        run_on_ranks(parallel_targets.sum_ranks, {"value": 0}, world_size=64, device="cuda")
 
 
 def test_a_rank_pool_keeps_its_processes_and_engines():
-    from components.ranks import RankPool
+    from components.runtime.ranks import RankPool
 
     with RankPool(2, "cpu") as pool:
-        assert [pool.run("tests.parallel_targets:count_calls", {}) for _ in range(3)] == [1, 2, 3]
-        first = pool.run("tests.parallel_targets:engine_identity", {})
-        assert pool.run("tests.parallel_targets:engine_identity", {}) == first  # loaded once per rank
+        assert [pool.run(parallel_targets.count_calls, {}) for _ in range(3)] == [1, 2, 3]
+        first = pool.run(parallel_targets.engine_identity, {})
+        assert pool.run(parallel_targets.engine_identity, {}) == first  # loaded once per rank
     assert all(not p.is_alive() for p in pool.procs)
 
 
 def test_a_closed_pool_s_ranks_exit_cleanly_and_run_their_exit_handlers(tmp_path):
     """The ranks skip the interpreter's teardown (1.5 s a pool for the tiny model on the CPU), not
     the exit handlers: Inductor stops its compile workers in one."""
-    from components.ranks import RankPool
+    from components.runtime.ranks import RankPool
 
     with RankPool(2, "cpu") as pool:
-        pool.run("tests.parallel_targets:mark_at_exit", {"marker_dir": str(tmp_path)})
+        pool.run(parallel_targets.mark_at_exit, {"marker_dir": str(tmp_path)})
     assert [p.exitcode for p in pool.procs] == [0, 0]
     assert sorted(f.name for f in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
 def test_a_failure_ends_the_pool():
-    from components.ranks import RankPool
+    from components.runtime.ranks import RankPool
 
     with RankPool(2, "cpu") as pool:
         with pytest.raises(RankFailed, match="rank 1 of 2 failed"):
-            pool.run("tests.parallel_targets:fail_on_rank", {"bad_rank": 1, "how": "raise"})
+            pool.run(parallel_targets.fail_on_rank, {"bad_rank": 1, "how": "raise"})
         with pytest.raises(RankFailed, match="stopped by an earlier failure"):
-            pool.run("tests.parallel_targets:count_calls", {})
+            pool.run(parallel_targets.count_calls, {})
     assert all(not p.is_alive() for p in pool.procs)
 
 
@@ -70,7 +71,7 @@ def test_a_one_rank_pool_runs_in_its_own_process_and_its_progress_reaches_the_pa
     the step's progress calls arrive at the parent's progress object, in order."""
     import os
 
-    from components.ranks import RankPool
+    from components.runtime.ranks import RankPool
 
     calls = []
 
@@ -89,7 +90,7 @@ def test_a_one_rank_pool_runs_in_its_own_process_and_its_progress_reaches_the_pa
             calls.append(("skip", label, why))
 
     with RankPool(1, "cpu", device_ids=[0]) as pool:
-        got = pool.run("tests.parallel_targets:report_progress", {}, progress=Recording())
+        got = pool.run(parallel_targets.report_progress, {}, progress=Recording())
     assert got["pid"] != os.getpid() and got["parallel"] is False and got["device"] == "cpu"
     assert calls == [("add_task", "step shard 0", 3), ("advance", "task-1", 1), ("advance", "task-1", 2),
                      ("finish", "task-1"), ("skip", "step shard 1", "committed")]

@@ -71,7 +71,7 @@ def _payloads(output: str, run_id: str) -> dict[str, list[int]]:
     from components.data.ar_outputs import read_ar_rows
     from components.data.runs import RunLayout
     from components.kvstore import open_store
-    from components.steps import default_kv_store
+    from components.run_kv import default_kv_store
 
     store = open_store(default_kv_store(output, run_id))
     rows = read_ar_rows(RunLayout.open(output, run_id), 0)
@@ -81,7 +81,7 @@ def _payloads(output: str, run_id: str) -> dict[str, list[int]]:
 def _run_dit(monkeypatch, output, run_id, store, **kw):
     """The DiT step with `store` as its KV store, recording the KV each row's request carried."""
     import components.dit.run as dit
-    from components.steps import load_engine
+    from components.models import load_engine
 
     monkeypatch.setattr(dit, "open_kv_store", lambda url: store)
     engine = load_engine("tiny", None, "cpu", None, 0)
@@ -111,7 +111,7 @@ def test_ar_puts_in_the_background_and_records_each_row(ar_done):
 
 @pytest.mark.parametrize("delay_s", [0.3])  # slower than nothing: the prefetch really overlaps
 def test_prefetch_gives_each_row_its_own_kv(ar_done, monkeypatch, tmp_path, delay_s):
-    from components.steps import default_kv_store
+    from components.run_kv import default_kv_store
 
     output, run_id = ar_done
     expected = _payloads(output, run_id)
@@ -130,7 +130,7 @@ def test_prefetch_gives_each_row_its_own_kv(ar_done, monkeypatch, tmp_path, dela
 
 
 def test_failed_prefetch_is_a_recompute_with_the_reason(ar_done, monkeypatch):
-    from components.steps import default_kv_store, kv_key
+    from components.run_kv import default_kv_store, kv_key
 
     output, run_id = ar_done
     ids = list(_payloads(output, run_id))
@@ -167,7 +167,7 @@ def test_failing_ar_step_deletes_what_it_put(tmp_path, monkeypatch):
     from components.engine.ar import ARGenerator
     from components.kvstore import open_store
     from components.shard.run import run as run_shard
-    from components.steps import default_kv_store
+    from components.run_kv import default_kv_store
 
     dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=3, seed=4)
     output, run_id = str(tmp_path / "out"), "fail"
@@ -215,7 +215,8 @@ def test_prefetch_overlap_by_the_order_of_events(ar_done, monkeypatch, prefetch)
     time. Each denoise waits (bounded) for the next row's get to start before it ends, so with the
     prefetch the order is certain, and without it (the control) the get can only come later."""
     import components.dit.run as dit
-    from components.steps import default_kv_store, load_engine
+    from components.models import load_engine
+    from components.run_kv import default_kv_store
 
     output, run_id = ar_done
     ids = list(_payloads(output, run_id))
@@ -281,7 +282,7 @@ def test_a_long_close_after_the_last_row_is_said_by_part(ar_done, monkeypatch, c
     """The seconds a DiT step spends after its last row (commit, KV deletes, compile cache) are
     outside its step record; when they are long the log says which part took them."""
     import components.dit.run as dit
-    from components.steps import default_kv_store
+    from components.run_kv import default_kv_store
 
     output, run_id = ar_done
     monkeypatch.setattr(dit, "TAIL_SAID_S", 0.4)
@@ -322,7 +323,7 @@ def test_each_row_s_kv_parts_are_deleted_behind_the_loop(ar_done, monkeypatch):
     from components.data.ar_outputs import read_ar_rows
     from components.data.runs import RunLayout
     from components.kvparts import layer_key, put_heads, slice_kv
-    from components.steps import default_kv_store
+    from components.run_kv import default_kv_store
 
     output, run_id = ar_done
     store = RecordingDeletes(default_kv_store(output, run_id).removeprefix("local://"))

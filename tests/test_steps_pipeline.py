@@ -16,11 +16,14 @@ import sys
 
 import pytest
 
+from components.ar.run import run as ar_run
 from components.data.runs import RunLayout
+from components.dit.run import run as dit_run
 from components.errors import ConfigError
-from components.ranks import RankFailed
-from components.steps import run_step
+from components.runtime.dispatch import run_step
+from components.runtime.ranks import RankFailed
 
+from . import oom_targets, parallel_targets
 from .test_engine_helpers import psnr
 from .test_steps_parallel import AR, GEN, _image, _rows, _shard
 
@@ -28,8 +31,8 @@ from .test_steps_parallel import AR, GEN, _image, _rows, _shard
 def _job(dataset: str, output: str, run_id: str, ar: dict, dit: dict) -> None:
     _shard(dataset, output, run_id)
     common = dict(output=output, run_id=run_id, shard=0, model="tiny", device="cpu", seed=0)
-    run_step("components.ar.run:run", {**common, **AR, **ar})
-    run_step("components.dit.run:run", {**common, **GEN, **dit})
+    run_step(ar_run, {**common, **AR, **ar})
+    run_step(dit_run, {**common, **GEN, **dit})
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,7 @@ def test_a_stage_that_fails_mid_step_restarts_the_ranks_with_half_the_batch(data
     common = dict(output=out, run_id="oom", shard=0, model="tiny", device="cpu", seed=0)
     monkeypatch.setenv("ARDIT_RANK_TIMEOUT_S", "90")  # a hang would end as a collective timeout, not hold CI
     capfd.readouterr()
-    run_step("tests.oom_targets:ar_out_of_memory_in_a_forward_once",
+    run_step(oom_targets.ar_out_of_memory_in_a_forward_once,
              {**common, **AR, **PP2, "marker": str(tmp_path / "oom-fired")})
     err = capfd.readouterr().err
     assert "rank 0 of 2 failed: torch.OutOfMemoryError: CUDA out of memory (injected on stage 0); starting the " \
@@ -86,7 +89,7 @@ def test_a_stage_that_fails_mid_step_restarts_the_ranks_with_half_the_batch(data
     assert budget["max_rows"] == 1 and budget["pipeline_parallel_size"] == 2, budget  # 2 rows were in flight
     record = layout.read_json(layout.step_timing_key(0, "ar"))
     assert record["budget_from_run"]["max_rows"] == 1 and record["scheduler"]["pool_rows"] == 1, record
-    run_step("components.dit.run:run", {**common, **GEN, **PP2})
+    run_step(dit_run, {**common, **GEN, **PP2})
     rows = _rows(out, "oom")
     assert sorted(rows) == sorted(_rows(baseline, "tp1")) and all(r["status"] == "ok" for r in rows.values())
 
@@ -100,7 +103,7 @@ def test_an_oom_at_one_row_in_flight_fails_the_step_without_a_restart(dataset, t
     monkeypatch.setenv("ARDIT_RANK_TIMEOUT_S", "90")
     capfd.readouterr()
     with pytest.raises(RankFailed, match=r"rank 0 of 2 failed: torch.OutOfMemoryError: CUDA out of memory \(injected"):
-        run_step("tests.parallel_targets:ar_out_of_memory_on_stage0", {**common, **AR, **PP2, "batch_size": 1})
+        run_step(parallel_targets.ar_out_of_memory_on_stage0, {**common, **AR, **PP2, "batch_size": 1})
     assert "starting the ranks again" not in capfd.readouterr().err
     layout = RunLayout.open(out, "oom1")
     assert layout.read_json(layout.settings_key("ar_budget")) is None
@@ -111,12 +114,12 @@ def test_a_killed_stage_fails_the_step_and_a_rerun_resumes(dataset, baseline, tm
     out = str(tmp_path)
     _shard(dataset, out, "kill")
     common = dict(output=out, run_id="kill", shard=0, model="tiny", device="cpu", seed=0)
-    run_step("components.ar.run:run", {**common, **AR, **PP2})
+    run_step(ar_run, {**common, **AR, **PP2})
     with pytest.raises(RankFailed, match=r"rank 1 of 2 failed: exited with code -9 \(killed or crashed\)"):
-        run_step("tests.parallel_targets:dit_killing_stage1", {**common, **GEN, **PP2})
+        run_step(parallel_targets.dit_killing_stage1, {**common, **GEN, **PP2})
     layout = RunLayout.open(out, "kill")
     assert not layout.is_committed(0)
-    run_step("components.dit.run:run", {**common, **GEN, **PP2})
+    run_step(dit_run, {**common, **GEN, **PP2})
     assert layout.is_committed(0)
     rows = _rows(out, "kill")
     assert sorted(rows) == sorted(_rows(baseline, "tp1")) and all(r["status"] == "ok" for r in rows.values())
@@ -125,7 +128,7 @@ def test_a_killed_stage_fails_the_step_and_a_rerun_resumes(dataset, baseline, tm
 def test_pipeline_options_are_checked_before_any_work(tmp_path):
     common = dict(output=str(tmp_path), run_id="x", shard=0, model="tiny", device="cpu")
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 3: the model has 2 decoder layers"):
-        run_step("components.dit.run:run", {**common, "pipeline_parallel_size": 3})
+        run_step(dit_run, {**common, "pipeline_parallel_size": 3})
     with pytest.raises(ConfigError, match="--step-cache 0.1: does not combine with --pipeline-parallel-size"):
         from components.dit.run import run
 

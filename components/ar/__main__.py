@@ -8,17 +8,16 @@ from __future__ import annotations
 import json
 import sys
 
-from components.steps import (
-    BOT_TASKS,
+from components.options import BOT_TASKS, auto_or_int
+from components.runtime.dispatch import run_step
+from components.step_program import (
     StepArgumentParser,
     add_engine_args,
-    auto_or_int,
     engine_kwargs,
     optional_bool,
     optional_float,
     optional_int,
     optional_str,
-    run_step,
     step_main,
 )
 
@@ -48,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
+        from components.ar.run import run as ar_run
         from components.progress import make_progress
 
         kwargs = dict(output=args.output, run_id=args.run_id, shard=args.shard, batch_size=args.batch_size,
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                       batch_invariant=args.batch_invariant, gpu_memory_utilization=args.gpu_memory_utilization,
                       max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
         with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
-            result = run_step("components.ar.run:run", kwargs, progress)
+            result = run_step(ar_run, kwargs, progress)
         print(json.dumps(result))
         return 0
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import sys
 
-from components.steps import (
+from components.runtime.dispatch import run_step
+from components.step_program import (
     StepArgumentParser,
     add_engine_args,
     engine_kwargs,
     optional_float,
     optional_int,
-    run_step,
     step_main,
 )
 
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
+        from components.dit.run import run as dit_run
         from components.progress import make_progress
 
         kwargs = dict(output=args.output, run_id=args.run_id, shard=args.shard, steps=args.steps,
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                       save_latents=args.save_latents, prefetch=not args.no_prefetch,
                       step_cache=args.step_cache or 0.0, **engine_kwargs(args))
         with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
-            result = run_step("components.dit.run:run", kwargs, progress, cfg_parallel=args.cfg_parallel)
+            result = run_step(dit_run, kwargs, progress, cfg_parallel=args.cfg_parallel)
         print(json.dumps(result, default=str))
         return 0
 

@@ -83,7 +83,7 @@ def status(state_dir: str | None = _STATE) -> None:
 
 def _open(url: str):
     """The store, or one line and exit code 2 for a bad URL / missing extra."""
-    from components.steps import open_kv_store
+    from components.run_kv import open_kv_store
 
     return open_kv_store(url)
 

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from components.steps import StepArgumentParser, step_main
+from components.step_program import StepArgumentParser, step_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         from components.data.objectstore import ObjectStoreError, S3AccessError
         from components.errors import ConfigError
         from components.preflight import check_dataset
-        from components.steps import model_validators
+        from components.models import model_validators
 
         from .run import run
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from components.steps import StepArgumentParser, step_main
+from components.step_program import StepArgumentParser, step_main
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,8 @@
     python -m components.ar ... --tensor-parallel-size 4
         -> 4 processes (torch.distributed: NCCL on GPUs, gloo on the CPU), rank r on cuda:r
            (with --pipeline-parallel-size P: tp * P processes, rank = stage * tp + tp rank)
-        -> each calls the step's `run(..., parallel=ParallelContext)`; all ranks compute, rank 0
+        -> each calls the step function (`components.ar.run.run(..., parallel=ParallelContext)`,
+           sent by reference: a module-level function); all ranks compute, rank 0
            reads the shard and writes the outputs
         -> a rank that fails (exception, signal, killed) fails the whole step: the others are
            stopped, the step exits non-zero naming the rank, nothing of the shard in flight is
@@ -20,12 +21,12 @@ service), unless the environment already says otherwise.
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -79,18 +80,18 @@ def check_devices(world_size: int, device: str, pipeline_parallel_size: int = 1,
             raise ValueError(f"GPU {max(device_ids)} is not visible: this machine has {have} GPU(s)")
 
 
-def run_on_ranks(target: str, kwargs: dict[str, Any], world_size: int, device: str, timeout_s: float = 1800.0,
-                 cfg_parallel: bool = False, pipeline_parallel_size: int = 1) -> Any:
-    """Call `module:function(**kwargs, parallel=ctx)` on `world_size` x `pipeline_parallel_size`
-    ranks; return rank 0's result.
+def run_on_ranks(step: Callable[..., Any], kwargs: dict[str, Any], world_size: int, device: str,
+                 timeout_s: float = 1800.0, cfg_parallel: bool = False, pipeline_parallel_size: int = 1) -> Any:
+    """Call `step(**kwargs, parallel=ctx)` on `world_size` x `pipeline_parallel_size` ranks; return
+    rank 0's result. `step` is a module-level function (the ranks import it by name).
 
     world_size 1 calls it in this process with parallel=None. cfg_parallel: the ranks form two
     tensor-parallel groups of world_size/2, one per CFG row (a DiT step layout).
     """
     if world_size == 1 and not cfg_parallel and pipeline_parallel_size == 1:
-        return _resolve(target)(**kwargs, parallel=None)
+        return step(**kwargs, parallel=None)
     with RankPool(world_size, device, timeout_s, cfg_parallel, pipeline_parallel_size) as pool:
-        return pool.run(target, kwargs)
+        return pool.run(step, kwargs)
 
 
 class RankPool:
@@ -140,14 +141,15 @@ class RankPool:
             p.start()
         return self
 
-    def run(self, target: str, kwargs: dict[str, Any], progress: Any = None) -> Any:
-        """`progress`: a components.progress object of this process; rank 0's step reports to it
-        (add_task / advance / finish / skip travel back with the results)."""
+    def run(self, step: Callable[..., Any], kwargs: dict[str, Any], progress: Any = None) -> Any:
+        """Call `step(**kwargs, parallel=ctx)` on every rank (a module-level function: it travels
+        by name). `progress`: a components.progress object of this process; rank 0's step reports
+        to it (add_task / advance / finish / skip travel back with the results)."""
         if self.broken:
             raise RankFailed("the tensor-parallel ranks were stopped by an earlier failure")
         self.progress, self.tasks_seen = progress, {}
         for rank, queue in enumerate(self.tasks):
-            queue.put((target, kwargs, progress is not None and rank == 0))
+            queue.put((step, kwargs, progress is not None and rank == 0))
         outcome: dict[int, tuple[str, Any]] = {}
         while len(outcome) < self.world_size:
             self._collect(outcome)
@@ -307,11 +309,6 @@ def _root_cause(outcome: dict) -> tuple[int, str]:
     return (died or own or failed)[0]
 
 
-def _resolve(target: str):
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 class _ForwardedProgress:
     """Rank 0's progress object: each call travels to the parent with the results, where the
     pool hands it to the parent's progress (one bar per step, drawn by one process)."""
@@ -340,7 +337,7 @@ class _ForwardedProgress:
 def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: float, results,
             cfg_parallel: bool = False, pipeline_parallel_size: int = 1, *, device_id: int | None = None,
             cpu_threads: int | None = None) -> None:
-    """A rank: join the process group once, then run each (target, kwargs) from `tasks` until None.
+    """A rank: join the process group once, then run each (step, kwargs) from `tasks` until None.
     A lone rank (world 1, a data-parallel replica at TP 1 x PP 1) has no process group: parallel=None."""
     import torch
     import torch.distributed as dist
@@ -363,9 +360,9 @@ def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: flo
                                     world_size=world, timeout=datetime.timedelta(seconds=rank_timeout_s(timeout_s)))
         ctx = _context(rank, world, dev, cfg_parallel, pipeline_parallel_size) if grouped else None
         while (task := tasks.get()) is not None:
-            target, kwargs, reports = task
+            step, kwargs, reports = task
             extra = {"progress": _ForwardedProgress(results, rank)} if reports else {}
-            value = _resolve(target)(**{**kwargs, "device": str(dev)}, **extra, parallel=ctx)
+            value = step(**{**kwargs, "device": str(dev)}, **extra, parallel=ctx)
             results.put((rank, "ok", value if rank == 0 else None))
         if grouped:
             dist.destroy_process_group()

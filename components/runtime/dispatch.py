@@ -1,0 +1,102 @@
+"""Run a step function: in this process, or on the tensor- / pipeline-parallel rank processes of
+components.runtime.ranks; an AR step that ran out of memory on the ranks starts them again from
+the halved budget the run kept."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from components.errors import ConfigError
+from components.runtime.layout import check_pipeline_stages, check_tensor_parallel
+
+
+# A step function: `components.ar.run.run`, `components.dit.run.run` (or a test's). It takes the
+# step's keywords, `progress` and `parallel`; rank processes get it by reference, so it is a
+# module-level function.
+Step = Callable[..., Any]
+
+
+def run_step(step: Step, kwargs: dict[str, Any], progress: Any = None, cfg_parallel: bool = False,
+             pool: Any = None) -> Any:
+    """Call `step(**kwargs)` in this process, or, with tensor_parallel_size N and
+    pipeline_parallel_size P, N * P > 1 (or a CFG-parallel DiT), on N * P rank processes: every
+    rank computes, rank 0 reads and writes. `pool`: a components.runtime.ranks.RankPool that outlives this
+    step (a job's shards then share the ranks' engines; a data-parallel replica is one, even of one
+    rank); without one the ranks start and stop with the step. Returns rank 0's result. An AR OOM
+    inside a forward of the ranks fails them with a halved budget kept in the run: the ranks (the
+    pool's too) start again and run the step from it, at most MAX_OOM_RESTARTS times."""
+    world = int(kwargs.get("tensor_parallel_size") or 1)
+    stages = int(kwargs.get("pipeline_parallel_size") or 1)
+    if stages > 1:
+        check_pipeline_stages(kwargs.get("model", "tiny"), stages)
+    if not cfg_parallel:  # CFG-parallel ranks form two groups of world / 2
+        check_tensor_parallel(kwargs.get("model", "tiny"), world)
+    global running_step
+    running_step = kwargs  # what an interrupted step program says was committed (step_main)
+    if pool is None and world == 1 and stages == 1 and not cfg_parallel:
+        return step(**kwargs, progress=progress)
+    from components.runtime.ranks import RankFailed, run_on_ranks
+
+    restarts = 0
+    while True:
+        budget = _ar_budget(kwargs)
+        try:
+            if pool is not None:
+                return pool.run(step, kwargs, progress)
+            return run_on_ranks(step, kwargs, world, kwargs.get("device", "cpu"), cfg_parallel=cfg_parallel,
+                                pipeline_parallel_size=stages)
+        except ValueError as exc:  # more ranks than GPUs, an odd CFG-parallel size
+            raise ConfigError(str(exc)) from None
+        except RankFailed as exc:
+            # an AR rank ran out of memory inside a forward (the ranks cannot retry it alone) and
+            # left a smaller budget in the run: start the ranks again from it, at most a few times
+            # (a job's pool too: its ranks are gone, the rows its earlier shards committed stay)
+            smaller = _ar_budget(kwargs)
+            if smaller is None or smaller == budget or restarts >= MAX_OOM_RESTARTS:
+                raise
+            restarts += 1
+            print(f"{exc}; starting the ranks again with at most {smaller[0]} AR row(s) in flight "
+                  f"(restart {restarts} of at most {MAX_OOM_RESTARTS})", file=sys.stderr, flush=True)
+            if pool is not None:
+                pool.restart()
+
+
+running_step: dict[str, Any] | None = None  # the kwargs of the step run_step started last (step_program reads it)
+MAX_OOM_RESTARTS = 6  # each one halves the AR batch: 64 rows in flight come down to 1
+
+
+def _ar_budget(kwargs: dict[str, Any]) -> tuple[int | None, int | None] | None:
+    """The (row cap, K/V budget) the run's AR steps keep after an OOM for this layout
+    (components/ar/budget.py), or None (none, or not a step of a run)."""
+    if "output" not in kwargs or "run_id" not in kwargs:
+        return None
+    from components.ar.budget import read_budget
+    from components.data.runs import RunLayout
+
+    try:
+        saved = read_budget(RunLayout.open(kwargs["output"], kwargs["run_id"]),
+                            int(kwargs.get("tensor_parallel_size") or 1),
+                            int(kwargs.get("pipeline_parallel_size") or 1), kwargs.get("device", "cpu"))
+    except Exception:  # noqa: BLE001 - no budget to go by: the failure stands as it is
+        return None
+    return None if saved is None else (saved.get("max_rows"), saved.get("kv_budget_bytes"))
+
+
+def rank_pool(tensor_parallel_size: int, device: str, pipeline_parallel_size: int = 1, *,
+              device_ids: list[int] | None = None, cpu_threads: int | None = None, own_process: bool = False) -> Any:
+    """A context manager: a RankPool for a job's tensor- / pipeline-parallel steps (tp x pp ranks on
+    `device_ids`), or nothing at TP 1 x PP 1, where the steps run in this process, unless
+    `own_process` (a data-parallel replica runs in a process of its own, even at one rank)."""
+    import contextlib
+
+    if tensor_parallel_size * pipeline_parallel_size <= 1 and not own_process:
+        return contextlib.nullcontext(None)
+    from components.runtime.ranks import RankPool
+
+    try:
+        return RankPool(tensor_parallel_size, device, pipeline_parallel_size=pipeline_parallel_size,
+                        device_ids=device_ids, cpu_threads=cpu_threads)
+    except ValueError as exc:  # more ranks than GPUs
+        raise ConfigError(str(exc)) from None
