@@ -8,7 +8,9 @@ Rules:
   pipeline/sweep.py passes run_job);
 - the kernels (components/engine/kernels/) import nothing of components but the kernels;
 - the engine imports nothing of components outside it but the data layer (object store, images),
-  errors and extras: never a step, the K/V store or the CLI.
+  errors and extras: never a step, the K/V store or the CLI;
+- in particular the engine imports nothing of the runtime (components/runtime/: rank processes,
+  step dispatch): the ranks hand the engine its ParallelContext, the engine never reaches back.
 Each rule has a negative control: a planted violation in a small tree under tmp_path is found.
 
 An import of `a.b.c` counts as depending on the module `a.b.c` only, not on its parent packages,
@@ -167,6 +169,11 @@ def test_engine_imports_no_step_store_or_cli() -> None:
     assert _offenders(GRAPH, "components.engine", allowed) == []
 
 
+def test_engine_imports_nothing_of_the_runtime() -> None:
+    assert GRAPH["components.runtime.dispatch"]  # the runtime's own imports were read
+    assert _offenders(GRAPH, "components.engine", allowed=(), watched=("components.runtime",)) == []
+
+
 # -- negative controls: each rule finds a planted violation --------------------------------------
 def test_a_cycle_through_a_lazy_import_is_found(tmp_path: Path) -> None:
     """Three modules, a -> b at module level, b -> c in a function, c -> a as `from . import`."""
@@ -216,3 +223,18 @@ def test_a_planted_layering_violation_is_found(tmp_path: Path) -> None:
     assert _offenders(graph, "components.engine", allowed=("components.engine",)) == [
         "components.engine.ar imports components.kvstore"]
     assert _offenders(graph, "components", allowed=("components",)) == ["components.late imports pipeline.local"]
+
+
+def test_an_engine_import_of_the_runtime_is_found(tmp_path: Path) -> None:
+    root = _write_tree(tmp_path, {
+        "components/__init__.py": "",
+        "components/engine/__init__.py": "",
+        "components/engine/parallel.py": "def pool():\n    from components.runtime.ranks import RankPool\n",
+        "components/engine/ar.py": "from components.errors import ConfigError\n",
+        "components/errors.py": "class ConfigError(Exception): ...\n",
+        "components/runtime/__init__.py": "",
+        "components/runtime/ranks.py": "from components.engine.parallel import pool\nclass RankPool: ...\n",
+    })
+    graph = _import_graph(_modules(root, ("components",)))
+    assert _offenders(graph, "components.engine", allowed=(), watched=("components.runtime",)) == [
+        "components.engine.parallel imports components.runtime.ranks"]
