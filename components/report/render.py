@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -200,145 +201,212 @@ def _truncate(text: str | None, n: int = 140) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def build_context(sweep_dir: Path, max_rows: int = 24, report_dir: Path | None = None) -> dict[str, Any]:
-    """Everything the template shows; `report_dir`: where the report goes (image links are
-    relative to it; default the sweep directory)."""
-    report_dir = report_dir or sweep_dir
+@dataclass
+class _Sweep:
+    """A sweep directory's tables as the report reads them."""
+
+    dir: Path
+    meta: dict[str, Any]  # sweep.json
+    configs: list[dict[str, Any]]  # sweep.parquet: one record per config
+    rows: list[dict[str, Any]]  # rows.parquet: one record per (config, row)
+    budget: list[dict[str, Any]]  # budget.parquet: one record per precision-budget measure
+
+    @property
+    def runs(self) -> Path:
+        return self.dir / "runs"
+
+    @property
+    def ref_name(self) -> str:
+        return str(self.meta["reference"])
+
+    @property
+    def gated(self) -> list[dict[str, Any]]:
+        return [c for c in self.configs if c.get("gated")]
+
+
+def _load_sweep(sweep_dir: Path) -> _Sweep:
     meta_path = sweep_dir / "sweep.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{sweep_dir} is not a sweep directory (no sweep.json); run `ardit sweep` first")
     meta = json.loads(meta_path.read_text())
     meta.setdefault("dataset", (meta.get("base") or {}).get("dataset", "–"))
     meta.setdefault("description", "")
-    configs = _read(sweep_dir / "sweep.parquet")
-    rows = _read(sweep_dir / "rows.parquet")
-    budget = _read(sweep_dir / "budget.parquet")
-    runs = sweep_dir / "runs"
-    ref_name = meta["reference"]
-    ref_rec = next((c for c in configs if c["config"] == ref_name), {})
-    timing = meta.get("timing") or {}
-    ref_sizes = {str(r["id"]): r for r in rows if r.get("config") == ref_name}
-    size_changes: dict[str, dict[str, int]] = {}
-    for r in rows:
-        if r.get("eval_status") == SIZE_MISMATCH:
-            counts = size_changes.setdefault(r["config"], {})
-            kind = _size_change(ref_sizes.get(str(r["id"])), r)
-            counts[kind] = counts.get(kind, 0) + 1
+    return _Sweep(sweep_dir, meta, _read(sweep_dir / "sweep.parquet"), _read(sweep_dir / "rows.parquet"),
+                  _read(sweep_dir / "budget.parquet"))  # fmt: skip
 
-    config_rows = []
-    speed_points = []
-    profiles = []
-    for rec in configs:
-        status = _status(rec)
-        th = _thresholds(rec)
-        t, time_text, speed = _timing_cells(rec, ref_name)
-        n = rec.get("rows") or 0
-        config_rows.append(
-            {
-                "name": rec["config"],
-                "label": rec.get("label") or "",
-                "role_label": ROLE_LABELS.get(rec.get("role", ""), ""),
-                "status": status,
-                "status_title": "; ".join(rec.get("violations") or [])
-                or ("not gated" if not rec.get("gated") else "all rows pass"),
-                "rows_ok": _rows_ok(rec, size_changes.get(rec["config"], {})),
-                "psnr_mean": _db(rec.get("psnr_mean")),
-                "psnr_min": _db(rec.get("psnr_min")),
-                "ssim_min": _f(rec.get("ssim_min")),
-                "mean_abs_max": _f(rec.get("mean_abs_max")),
-                "p99_abs_max": _f(rec.get("p99_abs_max")),
-                "bitwise": f"{rec.get('bitwise_rows', 0)}/{n}" if n else "–",
-                "cot": _f(rec.get("cot_similarity_mean"), 3),
-                "time": time_text,
-                "speed": speed,
-                "cls": _cell_classes(rec, th),
-            }
-        )
-        psnr = _num(rec.get("psnr_mean"))
-        if t is not None and psnr is not None:
-            samples = [float(x) for x in rec.get("time_samples") or []] or [t]
-            speed_points.append({"name": rec["config"], "time_s": t, "time_lo": min(samples), "time_hi": max(samples),
-                                 "psnr": psnr, "status": status, "reliable": bool(rec.get("speedup_reliable"))})  # fmt: skip
-        if rec.get("role") != "reference":
-            crow = [r for r in rows if r.get("config") == rec["config"] and r.get("eval_status") == OK]
-            if crow:
-                worst = max(crow, key=lambda r: _num(r.get("mean_abs")) or 0.0)
-                keys = [percentile_key(q) for q in (50, 90, 99, 99.9)] + ["max_abs"]
-                profiles.append({"name": rec["config"], "values": [_num(worst.get(k)) for k in keys]})
 
-    # Row grids: rows with failures first, then by worst PSNR over non-reference configs.
-    ref_rows_meta: dict[str, Any] = {}
-    try:
-        ref_rows_meta = load_run_rows(runs / ref_name)
-    except (FileNotFoundError, ValueError):
-        pass
-    try:
-        inputs = load_run_inputs(runs / ref_name)  # what each row asked for
-    except (OSError, ValueError):
-        inputs = {}
-    others = [c["config"] for c in configs if c["config"] != ref_name]
-    gated_names = [c["config"] for c in configs if c.get("gated")]
-    ranking = gated_names or others  # rows are ranked by the configs that gate the sweep
-    by_row: dict[str, dict[str, dict[str, Any]]] = {}
-    order: list[str] = []
-    for r in rows:
-        rid = str(r["id"])
-        if rid not in by_row:
-            by_row[rid] = {}
-            order.append(rid)
-        by_row[rid][r["config"]] = r
-
-    def badness(rid: str) -> tuple[int, float]:
-        cells = [by_row[rid].get(c) for c in ranking]
-        failed = sum(1 for c in cells if c is None or c.get("eval_status") != OK)
-        psnrs = [_num(c.get("psnr")) for c in cells if c and c.get("eval_status") == OK]
-        finite = [p for p in psnrs if p is not None and math.isfinite(p)]
-        return (-failed, min(finite) if finite else math.inf)
-
-    ranked = sorted(order, key=badness)
-    cfg_th = {c["config"]: _thresholds(c) if c.get("gated") else None for c in configs}
-    row_ctx = []
-    for rid in ranked[:max_rows]:
-        row_ctx.append(_row_context(rid, by_row[rid], ref_name, others, runs, cfg_th, ref_rows_meta.get(rid),
-                                    inputs.get(rid), report_dir))
-
-    gated = [c for c in configs if c.get("gated")]
-    th_all = Thresholds.from_dict(meta.get("thresholds") or {})
-    overrides = []
-    for c in configs:
-        th = _thresholds(c)
-        if c.get("gated") and th and th != th_all:
-            overrides.append(f"{c['config']}: {th.describe()}")
-    any_small = any(r.get("small") for r in row_ctx)
-    spec_path = sweep_dir / "spec.yaml"
+def build_context(sweep_dir: Path, max_rows: int = 24, report_dir: Path | None = None) -> dict[str, Any]:
+    """Everything the template shows, section by section; `report_dir`: where the report goes
+    (image links are relative to it; default the sweep directory)."""
+    sweep = _load_sweep(sweep_dir)
+    gates = Thresholds.from_dict(sweep.meta.get("thresholds") or {})
     return {
-        "meta": meta,
-        "verdict": PASS if meta.get("passed") else FAIL,
+        **_header_context(sweep),
+        **_summary_context(sweep, gates),
+        **_plots_context(sweep, gates),
+        "budget": [_budget_row(b) for b in sweep.budget],
+        **_images_context(sweep, max_rows, report_dir or sweep_dir),
+    }
+
+
+def _header_context(sweep: _Sweep) -> dict[str, Any]:
+    """The sweep's name, verdict and provenance: what ran, when, with which ardit and spec."""
+    spec_path = sweep.dir / "spec.yaml"
+    return {
+        "meta": sweep.meta,
+        "verdict": PASS if sweep.meta.get("passed") else FAIL,
         "verdict_words": VERDICTS,
-        "configs": config_rows,
-        "n_gated": len(gated),
-        "n_gated_pass": sum(1 for c in gated if c.get("passed")),
-        "n_rows": len(order),
-        "shown_rows": len(row_ctx),
-        "ranked_by": "the gated configs' lowest PSNR" if gated_names else "the lowest PSNR",
-        "gates_text": th_all.describe(),
-        "overrides_text": "; ".join(overrides),
-        "failures": meta.get("failures") or [],
-        "speed_plot": plots.speed_fidelity_plot(speed_points, th_all.psnr_min),
-        "timing_line": noise_line(timing) if timing else noise_line({"noise": None}),
-        "timing_warn": timing.get("noise") is None or timing["noise"] > UNRELIABLE_NOISE,
-        "delta_plot": plots.delta_profile_plot(profiles),
-        "budget": [_budget_row(b) for b in budget],
-        "rows": row_ctx,
-        "colorbar": plots.colorbar_plot(),
-        "n_cells": len(others) + 1 + (1 if any(r["input_img"] for r in row_ctx) else 0),
-        "has_inputs": any(r["input_img"] for r in row_ctx),
-        "pixelated": any_small,
+        "n_gated": len(sweep.gated),
+        "n_gated_pass": sum(1 for c in sweep.gated if c.get("passed")),
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "sweep_dir": str(sweep_dir),
+        "sweep_dir": str(sweep.dir),
         "version": _ardit_version(),
         "spec_text": spec_path.read_text() if spec_path.is_file() else "",
     }
+
+
+def _summary_context(sweep: _Sweep, gates: Thresholds) -> dict[str, Any]:
+    """The summary table (a line per config), the timing noise, the gates and the failures."""
+    size_changes = _size_changes(sweep.rows, sweep.ref_name)
+    timing = sweep.meta.get("timing") or {}
+    return {
+        "configs": [_config_row(rec, sweep.ref_name, size_changes.get(rec["config"], {})) for rec in sweep.configs],
+        "timing_line": noise_line(timing) if timing else noise_line({"noise": None}),
+        "timing_warn": timing.get("noise") is None or timing["noise"] > UNRELIABLE_NOISE,
+        "gates_text": gates.describe(),
+        "overrides_text": "; ".join(_gate_overrides(sweep.configs, gates)),
+        "failures": sweep.meta.get("failures") or [],
+    }
+
+
+def _size_changes(rows: list[dict[str, Any]], ref_name: str) -> dict[str, dict[str, int]]:
+    """Per config, how many of its rows have another image size than the reference's, by kind
+    (OTHER_RATIO, RESIZED)."""
+    ref_sizes = {str(r["id"]): r for r in rows if r.get("config") == ref_name}
+    changes: dict[str, dict[str, int]] = {}
+    for r in rows:
+        if r.get("eval_status") == SIZE_MISMATCH:
+            counts = changes.setdefault(r["config"], {})
+            kind = _size_change(ref_sizes.get(str(r["id"])), r)
+            counts[kind] = counts.get(kind, 0) + 1
+    return changes
+
+
+def _config_row(rec: dict[str, Any], ref_name: str, size_changes: dict[str, int]) -> dict[str, Any]:
+    """One config's line of the summary table."""
+    _, time_text, speed = _timing_cells(rec, ref_name)
+    n = rec.get("rows") or 0
+    return {
+        "name": rec["config"],
+        "label": rec.get("label") or "",
+        "role_label": ROLE_LABELS.get(rec.get("role", ""), ""),
+        "status": _status(rec),
+        "status_title": "; ".join(rec.get("violations") or [])
+        or ("not gated" if not rec.get("gated") else "all rows pass"),
+        "rows_ok": _rows_ok(rec, size_changes),
+        "psnr_mean": _db(rec.get("psnr_mean")),
+        "psnr_min": _db(rec.get("psnr_min")),
+        "ssim_min": _f(rec.get("ssim_min")),
+        "mean_abs_max": _f(rec.get("mean_abs_max")),
+        "p99_abs_max": _f(rec.get("p99_abs_max")),
+        "bitwise": f"{rec.get('bitwise_rows', 0)}/{n}" if n else "–",
+        "cot": _f(rec.get("cot_similarity_mean"), 3),
+        "time": time_text,
+        "speed": speed,
+        "cls": _cell_classes(rec, _thresholds(rec)),
+    }
+
+
+def _gate_overrides(configs: list[dict[str, Any]], gates: Thresholds) -> list[str]:
+    """'config: gates' for each gated config whose gates differ from the sweep's."""
+    overrides = []
+    for c in configs:
+        th = _thresholds(c)
+        if c.get("gated") and th and th != gates:
+            overrides.append(f"{c['config']}: {th.describe()}")
+    return overrides
+
+
+def _plots_context(sweep: _Sweep, gates: Thresholds) -> dict[str, Any]:
+    """Speed against fidelity per config, and the |Δ| percentile profile of each config's worst row."""
+    speed_points = [p for p in (_speed_point(rec, sweep.ref_name) for rec in sweep.configs) if p]
+    profiles = [p for p in (_delta_profile(rec, sweep.rows) for rec in sweep.configs) if p]
+    return {
+        "speed_plot": plots.speed_fidelity_plot(speed_points, gates.psnr_min),
+        "delta_plot": plots.delta_profile_plot(profiles),
+    }
+
+
+def _speed_point(rec: dict[str, Any], ref_name: str) -> dict[str, Any] | None:
+    """A config's point on the speed/fidelity plot (none without a time or a mean PSNR)."""
+    t, _, _ = _timing_cells(rec, ref_name)
+    psnr = _num(rec.get("psnr_mean"))
+    if t is None or psnr is None:
+        return None
+    samples = [float(x) for x in rec.get("time_samples") or []] or [t]
+    return {"name": rec["config"], "time_s": t, "time_lo": min(samples), "time_hi": max(samples),
+            "psnr": psnr, "status": _status(rec), "reliable": bool(rec.get("speedup_reliable"))}  # fmt: skip
+
+
+def _delta_profile(rec: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The |Δ| percentiles of a config's worst compared row (by mean |Δ|); none for the reference."""
+    if rec.get("role") == "reference":
+        return None
+    compared = [r for r in rows if r.get("config") == rec["config"] and r.get("eval_status") == OK]
+    if not compared:
+        return None
+    worst = max(compared, key=lambda r: _num(r.get("mean_abs")) or 0.0)
+    keys = [percentile_key(q) for q in (50, 90, 99, 99.9)] + ["max_abs"]
+    return {"name": rec["config"], "values": [_num(worst.get(k)) for k in keys]}
+
+
+def _images_context(sweep: _Sweep, max_rows: int, report_dir: Path) -> dict[str, Any]:
+    """The row cards, worst rows first: rows with failures, then by the lowest PSNR."""
+    ref_name = sweep.ref_name
+    try:
+        ref_rows_meta = load_run_rows(sweep.runs / ref_name)
+    except (FileNotFoundError, ValueError):
+        ref_rows_meta = {}
+    try:
+        inputs = load_run_inputs(sweep.runs / ref_name)  # what each row asked for
+    except (OSError, ValueError):
+        inputs = {}
+    others = [c["config"] for c in sweep.configs if c["config"] != ref_name]
+    gated_names = [c["config"] for c in sweep.gated]
+    by_row = _cells_by_row(sweep.rows)
+    ranked = sorted(by_row, key=lambda rid: _row_badness(by_row[rid], gated_names or others))
+    cfg_th = {c["config"]: _thresholds(c) if c.get("gated") else None for c in sweep.configs}
+    cards = [_row_context(rid, by_row[rid], ref_name, others, sweep.runs, cfg_th, ref_rows_meta.get(rid),
+                          inputs.get(rid), report_dir) for rid in ranked[:max_rows]]  # fmt: skip
+    has_inputs = any(r["input_img"] for r in cards)
+    return {
+        "n_rows": len(by_row),
+        "shown_rows": len(cards),
+        "ranked_by": "the gated configs' lowest PSNR" if gated_names else "the lowest PSNR",
+        "rows": cards,
+        "colorbar": plots.colorbar_plot(),
+        "n_cells": len(others) + 1 + (1 if has_inputs else 0),
+        "has_inputs": has_inputs,
+        "pixelated": any(r.get("small") for r in cards),
+    }
+
+
+def _cells_by_row(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """row id -> config -> that row's record, rows in the order they first appear."""
+    by_row: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_row.setdefault(str(r["id"]), {})[r["config"]] = r
+    return by_row
+
+
+def _row_badness(cells: dict[str, dict[str, Any]], ranking: list[str]) -> tuple[int, float]:
+    """Sort key of a row over the configs that rank rows (the gated ones, else all but the
+    reference): most failed cells first, then the lowest finite PSNR."""
+    ranked = [cells.get(c) for c in ranking]
+    failed = sum(1 for c in ranked if c is None or c.get("eval_status") != OK)
+    psnrs = [_num(c.get("psnr")) for c in ranked if c and c.get("eval_status") == OK]
+    finite = [p for p in psnrs if p is not None and math.isfinite(p)]
+    return (-failed, min(finite) if finite else math.inf)
 
 
 def _budget_row(b: dict[str, Any]) -> dict[str, Any]:
@@ -381,25 +449,9 @@ def _row_context(
     ref_path = _find_image(ref_rec.get("image_path") or ref_rec.get("ref_image_path"), runs, ref_name, rid)
     ref_img = _open(ref_path)
     ctx: dict[str, Any] = {
-        "id": rid, "cells": [], "ref_img": None, "ref_error": "", "ref_info": "", "cot": "", "prompt": "", "small": False,
-        "ref_link": _link(ref_path, report_dir), "input_img": None, "input_info": "", "instruction": "",
-        "instruction_label": "",
+        "id": rid, "cells": [], "cot": "", "prompt": "", "ref_link": _link(ref_path, report_dir),
+        **_ask_context(job), **_reference_context(ref_rec, ref_img),
     }  # fmt: skip
-    if job is not None:
-        ctx["instruction"] = job.text or ""
-        ctx["instruction_label"] = "instruction" if job.kind == "edit" else "prompt"
-        images = job.pil_images() if job.image or job.reference_image else []
-        if images:
-            ctx["input_img"] = _thumb(images[0])
-            ctx["input_info"] = f"{images[0].size[0]}×{images[0].size[1]}" + (
-                f" · + {len(images) - 1} reference image" if len(images) > 1 else "")
-    if ref_img is None:
-        ctx["ref_error"] = ref_rec.get("eval_error") or "reference image not found"
-    else:
-        ctx["ref_img"] = _thumb(ref_img)
-        ctx["small"] = max(ref_img.size) < 200
-        t = _num(ref_rec.get("time_per_image_s"))
-        ctx["ref_info"] = f"{ref_img.size[0]}×{ref_img.size[1]}" + (f" · {_secs(t)}" if t is not None else "")
     if ref_meta is not None:
         ctx["cot"] = ref_meta.cot_text or ""
         ctx["prompt"] = _truncate(ref_meta.extra.get("prompt"))
@@ -409,72 +461,109 @@ def _row_context(
     resized: list[str] = []
     for name in others:
         rec = cells.get(name)
-        cell: dict[str, Any] = {
-            "config": name,
-            "bitwise": False,
-            "badge": "",
-            "error": "",
-            "size_note": "",
-            "extra": "",
-            "link": "",
-            "fails": [],
-        }
+        cell = _config_cell(name, rec, rid, runs, cfg_th.get(name), ref_img, report_dir)
         ctx["cells"].append(cell)
-        if rec is None:
-            cell["error"] = "no metrics for this row (run or evaluation failed)"
-            cell["badge"] = FAIL
-            continue
-        th = cfg_th.get(name)
-        if rec.get("eval_status") == SIZE_MISMATCH:
-            path = _find_image(rec.get("image_path"), runs, name, rid)
-            img = _open(path)
-            if img is not None and ref_img is not None:
-                cell["img"] = _thumb(img)
-                cell["link"] = _link(path, report_dir)
-                kind = _size_change({"width": ref_img.size[0], "height": ref_img.size[1]},
-                                    {"width": img.size[0], "height": img.size[1]})
-                cell["size_note"] = f"{kind}: {img.size[0]}×{img.size[1]} vs {ref_img.size[0]}×{ref_img.size[1]}"
-                cell["badge"] = FAIL if th is not None and th.active else "SIZE"
-                cell["extra"] = _extra(rec)
-                resized.append(name)
-                continue
-        if rec.get("eval_status") != OK:
-            cell["error"] = f"{rec.get('eval_status')}: {rec.get('eval_error')}"
-            cell["badge"] = FAIL
-            continue
-        path = _find_image(rec.get("image_path"), runs, name, rid)
-        img = _open(path)
-        if img is None or ref_img is None:
-            cell["error"] = "image file not found for the report"
-            continue
-        try:
-            heat = plots.heatmap_image(abs_diff_map(ref_img, img))
-        except ImageMismatchError as exc:
-            cell["error"] = str(exc)
-            continue
-        psnr, ssim = _num(rec.get("psnr")), _num(rec.get("ssim"))
-        fails = _failed_metrics(rec, th)
-        cell.update(
-            img=_thumb(img),
-            heat=_thumb(heat),
-            link=_link(path, report_dir),
-            fails=[text for _, text in fails],
-            psnr=_db(psnr),
-            ssim=_f(ssim, 3),
-            mean_abs=_f(rec.get("mean_abs"), 3),
-            p99=_f(rec.get("p99_abs"), 3),
-            bitwise=bool(rec.get("bitwise")),
-            **{f"{key}_cls": ("bad" if key in dict(fails) else "") for key in ("psnr", "ssim", "mean_abs", "p99")},
-        )
-        cell["extra"] = _extra(rec)
-        if th is not None and th.active and not cell["bitwise"]:
-            cell["badge"] = FAIL if row_violations(rec, th) else "PASS"
-        if psnr is not None:
+        psnr = _num(rec.get("psnr")) if rec and "heat" in cell else None  # compared cells only
+        if cell["size_note"]:
+            resized.append(name)
+        elif psnr is not None:
             psnrs[name] = psnr
     failed = [c["config"] for c in ctx["cells"] if c.get("error")]
     gated = {n for n, th in cfg_th.items() if th is not None}
     ctx["worst"] = _worst_label(failed, resized, psnrs, gated)
     return ctx
+
+
+def _ask_context(job: Any) -> dict[str, Any]:
+    """What the row asked for: its instruction or prompt and its input image (when it has one)."""
+    ctx: dict[str, Any] = {"instruction": "", "instruction_label": "", "input_img": None, "input_info": ""}
+    if job is None:
+        return ctx
+    ctx["instruction"] = job.text or ""
+    ctx["instruction_label"] = "instruction" if job.kind == "edit" else "prompt"
+    images = job.pil_images() if job.image or job.reference_image else []
+    if images:
+        ctx["input_img"] = _thumb(images[0])
+        ctx["input_info"] = f"{images[0].size[0]}×{images[0].size[1]}" + (
+            f" · + {len(images) - 1} reference image" if len(images) > 1 else "")
+    return ctx
+
+
+def _reference_context(ref_rec: dict[str, Any], ref_img: Image.Image | None) -> dict[str, Any]:
+    """The reference's image, its size and time, or why it is missing."""
+    if ref_img is None:
+        return {"ref_img": None, "small": False, "ref_info": "",
+                "ref_error": ref_rec.get("eval_error") or "reference image not found"}  # fmt: skip
+    t = _num(ref_rec.get("time_per_image_s"))
+    return {
+        "ref_img": _thumb(ref_img),
+        "small": max(ref_img.size) < 200,
+        "ref_info": f"{ref_img.size[0]}×{ref_img.size[1]}" + (f" · {_secs(t)}" if t is not None else ""),
+        "ref_error": "",
+    }
+
+
+def _config_cell(
+    name: str,
+    rec: dict[str, Any] | None,
+    rid: str,
+    runs: Path,
+    th: Thresholds | None,
+    ref_img: Image.Image | None,
+    report_dir: Path,
+) -> dict[str, Any]:
+    """One config's cell of a row card: its image and |Δ| heatmap with the metrics, its image with
+    the size it has instead of the reference's, or why there is neither."""
+    cell: dict[str, Any] = {"config": name, "bitwise": False, "badge": "", "error": "", "size_note": "", "extra": "",
+                            "link": "", "fails": []}  # fmt: skip
+    if rec is None:
+        return {**cell, "error": "no metrics for this row (run or evaluation failed)", "badge": FAIL}
+    if rec.get("eval_status") == SIZE_MISMATCH:
+        path = _find_image(rec.get("image_path"), runs, name, rid)
+        img = _open(path)
+        if img is not None and ref_img is not None:
+            return {**cell, **_resized_cell(rec, img, ref_img, th), "link": _link(path, report_dir)}
+    if rec.get("eval_status") != OK:
+        return {**cell, "error": f"{rec.get('eval_status')}: {rec.get('eval_error')}", "badge": FAIL}
+    path = _find_image(rec.get("image_path"), runs, name, rid)
+    img = _open(path)
+    if img is None or ref_img is None:
+        return {**cell, "error": "image file not found for the report"}
+    try:
+        heat = plots.heatmap_image(abs_diff_map(ref_img, img))
+    except ImageMismatchError as exc:
+        return {**cell, "error": str(exc)}
+    fails = _failed_metrics(rec, th)
+    cell.update(
+        img=_thumb(img),
+        heat=_thumb(heat),
+        link=_link(path, report_dir),
+        fails=[text for _, text in fails],
+        psnr=_db(rec.get("psnr")),
+        ssim=_f(rec.get("ssim"), 3),
+        mean_abs=_f(rec.get("mean_abs"), 3),
+        p99=_f(rec.get("p99_abs"), 3),
+        bitwise=bool(rec.get("bitwise")),
+        extra=_extra(rec),
+        **{f"{key}_cls": ("bad" if key in dict(fails) else "") for key in ("psnr", "ssim", "mean_abs", "p99")},
+    )
+    if th is not None and th.active and not cell["bitwise"]:
+        cell["badge"] = FAIL if row_violations(rec, th) else "PASS"
+    return cell
+
+
+def _resized_cell(
+    rec: dict[str, Any], img: Image.Image, ref_img: Image.Image, th: Thresholds | None
+) -> dict[str, Any]:
+    """A cell whose image has another size than the reference's: no pixel metrics, the sizes in words."""
+    (w, h), (rw, rh) = img.size, ref_img.size
+    kind = _size_change({"width": rw, "height": rh}, {"width": w, "height": h})
+    return {
+        "img": _thumb(img),
+        "size_note": f"{kind}: {w}×{h} vs {rw}×{rh}",
+        "badge": FAIL if th is not None and th.active else "SIZE",
+        "extra": _extra(rec),
+    }
 
 
 def _failed_metrics(rec: dict[str, Any], th: Thresholds | None) -> list[tuple[str, str]]:
