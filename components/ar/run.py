@@ -27,13 +27,14 @@ import json
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from components.ar.budget import apply_budget, read_budget, remember_budget
 from components.data.ar_outputs import read_ar_rows, write_ar_rows
 from components.data.runs import RunLayout
 from components.kvstore.base import delete_quietly
-from components.progress import LogProgress, NoProgress
+from components.step_lifecycle import begin_step
 from components.steps import (
     AR_SETTINGS,
     check_bench_cot,
@@ -41,7 +42,6 @@ from components.steps import (
     default_kv_store,
     expire_other_runs_kv,
     kv_key,
-    load_engine,
     open_kv_store,
     resolve_generation,
 )
@@ -72,8 +72,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     (the kernel setting batch_invariant=on, for this step only). `batch_size`: "auto" (rows in
     flight sized to `gpu_memory_utilization` of the GPU) or a hard cap; `max_num_batched_tokens`:
     the prefill chunk (engine/ar_scheduler.py)."""
-    from components.engine import ARRequest, SamplingParams, kernels
-    from components.engine.ar_scheduler import Admission, is_out_of_memory
+    from components.engine import SamplingParams, kernels
+    from components.engine.ar_scheduler import Admission
 
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          seed=seed, batch_size=batch_size, device=device,
@@ -82,96 +82,36 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     forced_cot = check_bench_cot(model, weights, dummy_weights)
     gen = resolve_generation(model, greedy=greedy, bot_task=bot_task, system_prompt=system_prompt,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
-    layout = RunLayout.open(output, run_id)
-    if owner:
-        layout.remember_settings("ar", ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen,
-                                                   batch_invariant))
-    progress = progress or (LogProgress() if parallel is not None and owner else NoProgress())
-    pending, skipped = [], None
-    if layout.is_committed(shard):
-        skipped = "committed"
-    else:
-        pending = layout.shard_writer(shard).pending()
-        settled = {i for i, r in read_ar_rows(layout, shard).items() if r.get("error_kind") != "transient"}
-        if pending and {j.id for j in pending} <= settled:
-            skipped = "ar.parquet covers all pending rows"
+    step = begin_step("ar", f"AR  shard {shard}", output, run_id, shard,
+                      ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, batch_invariant),
+                      parallel, progress)
+    pending, skipped = _pending_rows(step.layout, shard)
     if skipped:
-        progress.skip(f"AR  shard {shard}", skipped)
-        return {"shard": shard, "skipped": skipped}
+        return step.skip(skipped)
 
-    t_load = time.perf_counter()
-    engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
-                         parallel, pipeline_parallel_size)
-    t_step = time.perf_counter()
-    load_s = t_step - t_load  # 0 when this process had it loaded (a job's later steps)
-    from components.engine import compile_cache
-    from components.engine.step_memory import StepCompiles, StepMemory
-
-    memory, compiling = StepMemory(engine.model.device), StepCompiles()
-
-    compiles = compile_cache.attach(output, engine, log=owner)  # a fresh container starts warm
+    engine = step.load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size,
+                              quantization, pipeline_parallel_size)
     store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
     sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
                               max_new_tokens=gen["max_new_tokens"])
-    task = progress.add_task(f"AR  shard {shard}", len(pending))
-    rows: list[dict[str, Any]] = []
+    task = step.progress.add_task(step.label, len(pending))
     puts = _BackgroundPuts(store, engine)
-    puts.expire_orphans(other_runs=(output, run_id) if kv_store is None and owner else None)
+    puts.expire_orphans(other_runs=(output, run_id) if kv_store is None and step.owner else None)
     previous_kernels = kernels.configure(batch_invariant="on" if batch_invariant else "off")
     fallbacks_before = kernels.fallbacks()
-    row_fallbacks = kernels.FallbacksSince()  # the next ok row carries the fallbacks since the last one
-
-    def on_result(request: Any, result: Any) -> None:
-        """A row finished (or failed): record it, and put its KV while the other rows decode on."""
-        if isinstance(result, BaseException):
-            kind = "input" if isinstance(result, ValueError) and not is_out_of_memory(result) else "transient"
-            rows.append(_error_row(request.id, f"AR failed: {type(result).__name__}: {result}", kind))
-        else:
-            row = _ok_row(result)
-            row["kernel_fallbacks"] = row_fallbacks.take()
-            rows.append(row)
-            if store is not None and result.prompt_kv is not None:
-                puts.add(row, run_id, shard, result.prompt_kv)
-            result.prompt_kv = None  # the put holds the only reference now
-        progress.advance(task, 1)
-
+    results = _Results(run_id, shard, store, puts, step.progress, task)
+    budget = _Budget(step.layout, shard, tensor_parallel_size, pipeline_parallel_size, device)
     try:
-        requests = []
-        for job in pending:
-            try:
-                requests.append(ARRequest(job.id, job.text or "", job.pil_images(), job.size_wh() or "auto",
-                                          gen["bot_task"], gen["system_prompt"], job.effective_seed(seed)))
-            except Exception as e:  # noqa: BLE001 - one bad row must not sink the shard
-                rows.append(_error_row(job.id, f"AR input: {e}", "input"))
-                progress.advance(task, 1)
-        engine.ar.forced_cot = forced_cot
+        requests = _requests(pending, gen, seed, results)
         admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens)
-        # after an OOM in an earlier step of this run: start from the budget that last worked
-        from_run = apply_budget(admission, read_budget(layout, tensor_parallel_size, pipeline_parallel_size, device),
-                                parallel)
-        try:
-            stats = engine.ar.stream(requests, on_result, sampling, export_kv, admission)
-        except BaseException as e:
-            if admission.halved_to is not None and is_out_of_memory(e):  # this rank ran out: the resume halves
-                remember_budget(layout, admission.halved_to, shard, f"{type(e).__name__} failed the step",
-                                tensor_parallel_size, pipeline_parallel_size, device)
-            raise
-        finally:
-            engine.ar.forced_cot = None
-        if admission.halved_to is not None and owner:
-            remember_budget(layout, admission.halved_to, shard, "the step went on after an OOM",
-                            tensor_parallel_size, pipeline_parallel_size, device)
+        from_run = budget.start(admission, parallel)  # after an OOM in an earlier step: the budget that worked
+        stats = _stream(engine, requests, results, sampling, export_kv, admission, budget, step.owner, forced_cot)
         puts.wait()
-        order = {job.id: i for i, job in enumerate(pending)}
-        rows.sort(key=lambda r: order[r["id"]])
-        memory_stats, compile_stats = memory.stats(parallel), compiling.stats(parallel)  # every rank: the worst's
-        if owner:
-            write_ar_rows(layout, shard, rows)
-            layout.write_json(layout.step_timing_key(shard, "ar"), {
-                "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
-                "scheduler": {k: stats[k] for k in SCHEDULER_RECORD}, "memory": memory_stats,
-                "compile": compile_stats, "budget_from_run": from_run})
+        rows = results.in_order(pending)
+        usage = step.usage()  # every rank: the worst's
+        if step.owner:
+            write_ar_rows(step.layout, shard, rows)
+        step.write_timing(scheduler={k: stats[k] for k in SCHEDULER_RECORD}, **usage, budget_from_run=from_run)
     except BaseException:
         puts.abandon()  # on the way out: payloads nobody will read are deleted now
         raise
@@ -179,13 +119,116 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         kernels.configure(previous_kernels)
         if store is not None:
             store.close()
-    if compiles is not None:
-        compiles.persist()  # what this step compiled, for the next process
-    progress.finish(task)
+    step.persist_compiles()
+    step.progress.finish(task)
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
             "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant,
             "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
             "ar_scheduler": {k: stats[k] for k in SCHEDULER_RECORD}}
+
+
+def _pending_rows(layout: RunLayout, shard: int) -> tuple[list[Any], str | None]:
+    """The shard's rows without a committed image, and why the step has nothing to do (resume) or None."""
+    if layout.is_committed(shard):
+        return [], "committed"
+    pending = layout.shard_writer(shard).pending()
+    settled = {i for i, r in read_ar_rows(layout, shard).items() if r.get("error_kind") != "transient"}
+    if pending and {j.id for j in pending} <= settled:
+        return pending, "ar.parquet covers all pending rows"
+    return pending, None
+
+
+def _requests(pending: list[Any], gen: dict[str, Any], seed: int, results: _Results) -> list[Any]:
+    """The scheduler's requests for the pending rows; a row that cannot make one is an input error row."""
+    from components.engine import ARRequest
+
+    requests = []
+    for job in pending:
+        try:
+            requests.append(ARRequest(job.id, job.text or "", job.pil_images(), job.size_wh() or "auto",
+                                      gen["bot_task"], gen["system_prompt"], job.effective_seed(seed)))
+        except Exception as e:  # noqa: BLE001 - one bad row must not sink the shard
+            results.error(job.id, f"AR input: {e}", "input")
+    return requests
+
+
+def _stream(engine: Any, requests: list[Any], results: _Results, sampling: Any, export_kv: bool, admission: Any,
+            budget: _Budget, owner: bool, forced_cot: Any) -> dict[str, Any]:
+    """The requests through the continuous-batching scheduler; its stats. When it halved its batch
+    after an OOM, the run keeps the halved budget (a resume starts from it)."""
+    from components.engine.ar_scheduler import is_out_of_memory
+
+    engine.ar.forced_cot = forced_cot
+    try:
+        stats = engine.ar.stream(requests, results.on_result, sampling, export_kv, admission)
+    except BaseException as e:
+        if admission.halved_to is not None and is_out_of_memory(e):  # this rank ran out: the resume halves
+            budget.remember(admission, f"{type(e).__name__} failed the step")
+        raise
+    finally:
+        engine.ar.forced_cot = None
+    if admission.halved_to is not None and owner:
+        budget.remember(admission, "the step went on after an OOM")
+    return stats
+
+
+@dataclass
+class _Budget:
+    """The AR batch budget this run keeps for its layout after an OOM (components/ar/budget.py)."""
+
+    layout: RunLayout
+    shard: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    device: str
+
+    def start(self, admission: Any, parallel: Any) -> Any:
+        """Cap `admission` at the budget that last worked in this run; what the run had (or None)."""
+        return apply_budget(admission, read_budget(self.layout, self.tensor_parallel_size,
+                                                   self.pipeline_parallel_size, self.device), parallel)
+
+    def remember(self, admission: Any, why: str) -> None:
+        remember_budget(self.layout, admission.halved_to, self.shard, why, self.tensor_parallel_size,
+                        self.pipeline_parallel_size, self.device)
+
+
+class _Results:
+    """The step's rows as they finish (or fail), each counted on the progress display; an ok row's
+    prompt KV goes to the background puts while the other rows decode on."""
+
+    def __init__(self, run_id: str, shard: int, store: Any, puts: _BackgroundPuts, progress: Any, task: Any):
+        from components.engine import kernels
+
+        self.run_id, self.shard, self.store, self.puts = run_id, shard, store, puts
+        self.progress, self.task = progress, task
+        self.rows: list[dict[str, Any]] = []
+        self.row_fallbacks = kernels.FallbacksSince()  # the next ok row carries the fallbacks since the last one
+
+    def error(self, row_id: str, error: str, kind: str) -> None:
+        self.rows.append(_error_row(row_id, error, kind))
+        self.progress.advance(self.task, 1)
+
+    def on_result(self, request: Any, result: Any) -> None:
+        """The scheduler's callback: a row finished (or failed)."""
+        from components.engine.ar_scheduler import is_out_of_memory
+
+        if isinstance(result, BaseException):
+            kind = "input" if isinstance(result, ValueError) and not is_out_of_memory(result) else "transient"
+            self.error(request.id, f"AR failed: {type(result).__name__}: {result}", kind)
+            return
+        row = _ok_row(result)
+        row["kernel_fallbacks"] = self.row_fallbacks.take()
+        self.rows.append(row)
+        if self.store is not None and result.prompt_kv is not None:
+            self.puts.add(row, self.run_id, self.shard, result.prompt_kv)
+        result.prompt_kv = None  # the put holds the only reference now
+        self.progress.advance(self.task, 1)
+
+    def in_order(self, pending: list[Any]) -> list[dict[str, Any]]:
+        """The rows in the shard's order (they finish in any)."""
+        order = {job.id: i for i, job in enumerate(pending)}
+        self.rows.sort(key=lambda r: order[r["id"]])
+        return self.rows
 
 
 # What the step's record keeps of the AR scheduler's stats (engine/ar_scheduler.py SchedulerStats):

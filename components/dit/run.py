@@ -28,14 +28,13 @@ from typing import Any
 from components.data.ar_outputs import read_ar_rows
 from components.data.runs import RunLayout, ShardWriter, row_key
 from components.kvstore.base import delete_quietly
-from components.progress import LogProgress, NoProgress
+from components.step_lifecycle import begin_step
 from components.steps import (
     DIT_SETTINGS,
     check_engine_options,
     default_kv_store,
     expire_other_runs_kv,
     kv_key,
-    load_engine,
     open_kv_store,
     resolve_generation,
 )
@@ -65,84 +64,33 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                          seed=seed, device=device, step_cache=step_cache,
                          pipeline_parallel_size=pipeline_parallel_size)
     gen = resolve_generation(model, steps=steps, guidance=guidance, flow_shift=flow_shift)
-    owner = parallel is None or parallel.is_first  # the rank that reads and writes (all ranks compute)
-    layout = RunLayout.open(output, run_id)
-    if owner:
-        layout.remember_settings("dit", dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen,
-                                                     step_cache))
-    progress = progress or (LogProgress() if parallel is not None and owner else NoProgress())
-    if layout.is_committed(shard):
-        progress.skip(f"DiT shard {shard}", "committed")
-        return {"shard": shard, "skipped": "committed"}
-    writer = layout.shard_writer(shard)
+    step = begin_step("dit", f"DiT shard {shard}", output, run_id, shard,
+                      dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache),
+                      parallel, progress)
+    if step.layout.is_committed(shard):
+        return step.skip("committed")
+    writer = step.layout.shard_writer(shard)
     pending = writer.pending()
-    ar_rows = read_ar_rows(layout, shard)
-    t_load = time.perf_counter()
-    engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size, quantization,
-                         parallel, pipeline_parallel_size)
-    t_step = time.perf_counter()
-    load_s = t_step - t_load  # 0 when this process had it loaded (a job's later steps)
-    from components.engine import compile_cache
-    from components.engine.step_memory import StepCompiles, StepMemory
-
-    memory, compiling = StepMemory(engine.model.device), StepCompiles()
-
-    compiles = compile_cache.attach(output, engine, log=owner)  # a fresh container starts warm
+    ar_rows = read_ar_rows(step.layout, shard)
+    engine = step.load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size,
+                              quantization, pipeline_parallel_size)
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
-    kv_io = _KVReader(store, engine, kv_reuse, deletes=owner,
+    kv_io = _KVReader(store, engine, kv_reuse, deletes=step.owner,
                       other_runs=(output, run_id) if kv_store is None else None)
-    out_io = _RowWriter(writer, layout, shard, save_latents, kv_io, enabled=owner)
-    task = progress.add_task(f"DiT shard {shard}", len(pending))
-    fetches: dict[int, Future] = {}
-
-    def fetch(i: int) -> None:
-        if i < len(pending) and i not in fetches:
-            job = pending[i]
-            fetches[i] = kv_io.fetch(kv_key(run_id, shard, job.id), ar_rows.get(job.id))
-
+    out_io = _RowWriter(writer, step.layout, shard, save_latents, kv_io, enabled=step.owner)
+    task = step.progress.add_task(step.label, len(pending))
     from components.engine import kernels
-    from components.engine.pipeline_schedule import rows_in_flight
 
     fallbacks_before = kernels.fallbacks()
-    transient: list[tuple[str, str]] = []  # rows the AR step failed for a passing reason: left for a resume
-    group_size = rows_in_flight(engine.model)  # pipeline stages denoise several rows at once
     try:
-        for start in range(0, len(pending), group_size):
-            group = []
-            for i in range(start, min(start + group_size, len(pending))):
-                job = pending[i]
-                fetch(i)
-                if prefetch:
-                    fetch(i + group_size)  # the next group's KV travels while this one denoises
-                ar_row = ar_rows.get(job.id)
-                key = kv_key(run_id, shard, job.id)
-                if ar_row is not None and ar_row["status"] != "ok" and ar_row.get("error_kind") == "transient":
-                    fetches.pop(i).result()
-                    transient.append((job.id, ar_row["error"]))
-                elif ar_row is None or ar_row["status"] != "ok":
-                    fetches.pop(i).result()
-                    out_io.error(job.id, ar_row["error"] if ar_row else
-                                 "no AR output for this row (AR step not run or failed)", key)
-                else:
-                    t0 = time.perf_counter()
-                    kv, absent_reason, get_s = kv_io.result(fetches.pop(i))
-                    group.append(_DiTRow(job, ar_row, key, kv, absent_reason, get_s, time.perf_counter() - t0))
-            _denoise_rows(engine, out_io, group, gen=gen, seed=seed, step_cache=step_cache)
-            out_io.check()
-            progress.advance(task, min(group_size, len(pending) - start))
+        transient = _denoise_pending(engine, pending, ar_rows, kv_io, out_io, step.progress, task, run_id=run_id,
+                                     shard=shard, gen=gen, seed=seed, step_cache=step_cache, prefetch=prefetch)
         out_io.drain()
         if transient:
-            first_id, first_error = transient[0]
-            raise RuntimeError(f"shard {shard}: {len(transient)} row(s) failed in the AR step for a transient reason "
-                               f"(first: row {first_id}: {first_error}); the other rows are recorded, resume the run "
-                               "to retry these")
-        memory_stats, compile_stats = memory.stats(parallel), compiling.stats(parallel)  # every rank: the worst's
-        if owner:
-            layout.write_json(layout.step_timing_key(shard, "dit"), {
-                "load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_step, 3),
-                "memory": memory_stats, "compile": compile_stats, "group_fallbacks": out_io.group_fallbacks})
+            raise _transient_rows_error(shard, transient)
+        step.write_timing(**step.usage(), group_fallbacks=out_io.group_fallbacks)  # usage: every rank, the worst's
         t_rows_done = time.perf_counter()  # the step's work after its last row: said when it is long
-        marker = writer.commit() if owner else {}
+        marker = writer.commit() if step.owner else {}
         t_committed = time.perf_counter()
         kv_io.forget(f"{run_id}/{shard}", prefix=True)
     finally:
@@ -151,20 +99,76 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     t_closed = time.perf_counter()
     if kv_store is None:
         _remove_if_empty(default_kv_store(output, run_id))
-    if compiles is not None:
-        compiles.persist()  # what this step compiled, for the next process
-    t_end = time.perf_counter()
-    if owner and t_end - t_rows_done > TAIL_SAID_S:
-        print(f"DiT shard {shard}: {t_end - t_rows_done:.1f} s after its last row (commit "
-              f"{t_committed - t_rows_done:.1f} s, KV deletes and store close {t_closed - t_committed:.1f} s, "
-              f"compile cache {t_end - t_closed:.1f} s)", file=sys.stderr, flush=True)
-    progress.finish(task)
+    step.persist_compiles()
+    if step.owner:
+        _say_long_tail(shard, t_rows_done, t_committed, t_closed, time.perf_counter())
+    step.progress.finish(task)
     return {"shard": shard, **marker, "kv_wait_s": round(out_io.kv_wait_s, 4),
             "kv_deletes_failed": kv_io.deletes_failed, "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
             "group_fallbacks": out_io.group_fallbacks}
 
 
+def _denoise_pending(engine: Any, pending: list[Any], ar_rows: dict[str, dict[str, Any]], kv_io: _KVReader,
+                     out_io: _RowWriter, progress: Any, task: Any, *, run_id: str, shard: int, gen: dict[str, Any],
+                     seed: int, step_cache: float, prefetch: bool) -> list[tuple[str, str]]:
+    """Denoise and write the pending rows, a group at a time (one row, or as many as the pipeline
+    stages denoise at once), with the next group's KV fetched while this one denoises (`prefetch`).
+    A row the AR step failed for good is an error row; one it failed for a transient reason is left
+    unrecorded and returned, as (row id, error), for a resume."""
+    from components.engine.pipeline_schedule import rows_in_flight
+
+    fetches: dict[int, Future] = {}
+
+    def fetch(i: int) -> None:
+        if i < len(pending) and i not in fetches:
+            job = pending[i]
+            fetches[i] = kv_io.fetch(kv_key(run_id, shard, job.id), ar_rows.get(job.id))
+
+    transient: list[tuple[str, str]] = []  # rows the AR step failed for a passing reason: left for a resume
+    group_size = rows_in_flight(engine.model)  # pipeline stages denoise several rows at once
+    for start in range(0, len(pending), group_size):
+        group = []
+        for i in range(start, min(start + group_size, len(pending))):
+            job = pending[i]
+            fetch(i)
+            if prefetch:
+                fetch(i + group_size)  # the next group's KV travels while this one denoises
+            ar_row = ar_rows.get(job.id)
+            key = kv_key(run_id, shard, job.id)
+            if ar_row is not None and ar_row["status"] != "ok" and ar_row.get("error_kind") == "transient":
+                fetches.pop(i).result()
+                transient.append((job.id, ar_row["error"]))
+            elif ar_row is None or ar_row["status"] != "ok":
+                fetches.pop(i).result()
+                out_io.error(job.id, ar_row["error"] if ar_row else
+                             "no AR output for this row (AR step not run or failed)", key)
+            else:
+                t0 = time.perf_counter()
+                kv, absent_reason, get_s = kv_io.result(fetches.pop(i))
+                group.append(_DiTRow(job, ar_row, key, kv, absent_reason, get_s, time.perf_counter() - t0))
+        _denoise_rows(engine, out_io, group, gen=gen, seed=seed, step_cache=step_cache)
+        out_io.check()
+        progress.advance(task, min(group_size, len(pending) - start))
+    return transient
+
+
+def _transient_rows_error(shard: int, transient: list[tuple[str, str]]) -> RuntimeError:
+    """The shard fails retryably: the other rows are recorded, a resume runs these again."""
+    first_id, first_error = transient[0]
+    return RuntimeError(f"shard {shard}: {len(transient)} row(s) failed in the AR step for a transient reason "
+                        f"(first: row {first_id}: {first_error}); the other rows are recorded, resume the run "
+                        "to retry these")
+
+
 TAIL_SAID_S = 2.0  # a step's closing work longer than this is said in the log, split by part
+
+
+def _say_long_tail(shard: int, t_rows_done: float, t_committed: float, t_closed: float, t_end: float) -> None:
+    """The step's closing work after its last row (outside its record), by part, when it is long."""
+    if t_end - t_rows_done > TAIL_SAID_S:
+        print(f"DiT shard {shard}: {t_end - t_rows_done:.1f} s after its last row (commit "
+              f"{t_committed - t_rows_done:.1f} s, KV deletes and store close {t_closed - t_committed:.1f} s, "
+              f"compile cache {t_end - t_closed:.1f} s)", file=sys.stderr, flush=True)
 
 
 def _remove_if_empty(url: str) -> None:
