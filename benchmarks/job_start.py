@@ -36,21 +36,20 @@ def main() -> None:
 
     t1 = time.perf_counter()
     import pipeline.cli  # noqa: F401
+    from components.jobconfig import JobConfig
     from components.preflight import check_job
 
     t2 = time.perf_counter()
     print(f"import torch {t1 - t0:.2f} s, ardit's CLI {t2 - t1:.2f} s", flush=True)
-    generation = dict(steps=8, guidance=5.0, flow_shift=None, bot_task=None, system_prompt=None,
-                      max_new_tokens=None, temperature=None, top_k=None, top_p=None)
     profile = cProfile.Profile()
     with tempfile.TemporaryDirectory() as output:
+        config = JobConfig(dataset=args.dataset, output=output, run_id="start", kind=args.kind, num_shards=2,
+                           model=args.model, dummy_weights=True, tensor_parallel_size=args.tp,
+                           pipeline_parallel_size=args.pp, device=args.device, batch_size="auto", steps=8,
+                           guidance=5.0, quantization=args.quantization if args.quantization != "none" else None)
         t3 = time.perf_counter()
         profile.enable()
-        check_job(dataset=args.dataset, output=output, run_id="start", kind=args.kind, num_shards=2,
-                  model=args.model, weights=None, dummy_weights=True, tensor_parallel_size=args.tp,
-                  quantization=args.quantization if args.quantization != "none" else None, kv_store=None,
-                  kv_reuse=True, device=args.device, dtype=None, seed=0, batch_size="auto", generation=generation,
-                  pipeline_parallel_size=args.pp)
+        check_job(config)
         profile.disable()
         print(f"check_job {time.perf_counter() - t3:.2f} s", flush=True)
     text = io.StringIO()

@@ -33,6 +33,7 @@ from typing import Any
 
 from components.errors import ConfigError, missing_extra
 from components.fit import FreeMemoryProbe
+from components.jobconfig import JobConfig
 
 
 def check_dataset(dataset: str, kind: str):
@@ -263,12 +264,7 @@ def auto_num_shards(rows: int, data_parallel_size: int) -> int:
     return max(1, min(rows, max(2, data_parallel_size, -(-rows // ROWS_PER_SHARD))))
 
 
-def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: int, model: str,
-              weights: str | None, dummy_weights: bool, tensor_parallel_size: int, quantization: str | None,
-              kv_store: str | None, kv_reuse: bool, device: str, dtype: str | None, seed: int, batch_size: int,
-              generation: dict[str, Any], greedy: bool = False, ar_from_run: str | None = None,
-              step_cache: float = 0.0, batch_invariant: bool = False, pipeline_parallel_size: int = 1,
-              data_parallel_size: int | None = None) -> dict[str, Any]:
+def check_job(config: JobConfig) -> dict[str, Any]:
     """Every check of a local job, cheapest first. Returns what the job needs resolved:
     device, data-parallel size, generation settings, the row validators and the settings each
     step remembers."""
@@ -283,66 +279,72 @@ def check_job(*, dataset: str, output: str, run_id: str, kind: str, num_shards: 
     from components.runtime.layout import check_pipeline_stages, check_tensor_parallel
     from components.shard.run import check_existing, shard_identity
 
-    if kind not in KINDS:
-        raise ConfigError(f"kind {kind!r}: must be one of {', '.join(KINDS)}")
+    num_shards, device = config.num_shards, config.device  # resolved below
+    if config.kind not in KINDS:
+        raise ConfigError(f"kind {config.kind!r}: must be one of {', '.join(KINDS)}")
     if num_shards != "auto" and not (isinstance(num_shards, int) and num_shards >= 1):
         raise ConfigError(f"--num-shards {num_shards!r}: must be auto or a whole number >= 1")
-    check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, batch_size=batch_size, device=device, step_cache=step_cache,
-                         pipeline_parallel_size=pipeline_parallel_size)
-    check_parallel_options(pipeline_parallel_size, data_parallel_size)
+    check_engine_options(dtype=config.dtype, quantization=config.quantization,
+                         tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
+                         batch_size=config.batch_size, device=device, step_cache=config.step_cache,
+                         pipeline_parallel_size=config.pipeline_parallel_size)
+    check_parallel_options(config.pipeline_parallel_size, config.data_parallel_size)
     try:
-        layout = RunLayout.open(output, run_id)  # checks the run id; touches no storage yet
+        layout = RunLayout.open(config.output, config.run_id)  # checks the run id; touches no storage yet
     except ConfigError:
         raise
     except ValueError as exc:
-        raise ConfigError(f"--output {output}: {exc}") from None
-    if weights is not None and not Path(weights).expanduser().is_dir():
-        raise ConfigError(f"--weights {weights}: no such directory")
+        raise ConfigError(f"--output {config.output}: {exc}") from None
+    if config.weights is not None and not Path(config.weights).expanduser().is_dir():
+        raise ConfigError(f"--weights {config.weights}: no such directory")
     # cheap checks: no torch, no engine yet
-    check_model_name(model)
-    source = check_dataset(dataset, kind)
+    check_model_name(config.model)
+    source = check_dataset(config.dataset, config.kind)
     if num_shards != "auto" and num_shards > source.num_rows:
         raise ConfigError(f"--num-shards {num_shards}: the dataset has {source.num_rows} row(s), so at most "
                           f"{source.num_rows} shard(s) (or auto)")
-    check_output(output)
-    kv_url = None if not kv_reuse or ar_from_run else kv_store or default_kv_store(output, run_id)
+    check_output(config.output)
+    kv_url = (None if not config.kv_reuse or config.ar_from_run else
+              config.kv_store or default_kv_store(config.output, config.run_id))
     if kv_url is not None:
         check_kv_url(kv_url)
     check_cuda_present(device)
     probe = FreeMemoryProbe.start(device)  # asks the GPUs' free memory beside the checks below
     try:
-        check_bench_cot(model, weights, dummy_weights)  # imports the engine (torch) beside the probe's own
+        # imports the engine (torch) beside the probe's own
+        check_bench_cot(config.model, config.weights, config.dummy_weights)
         # the model: its config, tokenizer and weights files
-        gen = resolve_generation(model, greedy=greedy, **generation)  # also resolves the model
-        validators = model_validators(model)  # its tokenizer and resolution buckets load
-        check_weights(model, weights, dummy_weights)
+        gen = resolve_generation(config.model, greedy=config.greedy, **config.generation)  # also resolves the model
+        validators = model_validators(config.model)  # its tokenizer and resolution buckets load
+        check_weights(config.model, config.weights, config.dummy_weights)
         from components.engine.compile_cache import check_setting  # the engine is imported by now
 
         if (problem := check_setting()) is not None:
             raise ConfigError(problem)
-        if pipeline_parallel_size > 1:
-            check_pipeline_stages(model, pipeline_parallel_size)
-        check_tensor_parallel(model, tensor_parallel_size)
-        ar = ({"ar_from_run": ar_from_run} if ar_from_run else
-              ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, batch_invariant))
-        dit = dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache)
+        if config.pipeline_parallel_size > 1:
+            check_pipeline_stages(config.model, config.pipeline_parallel_size)
+        check_tensor_parallel(config.model, config.tensor_parallel_size)
+        engine = (config.model, config.weights, config.dummy_weights, config.dtype, config.quantization, config.seed)
+        ar = ({"ar_from_run": config.ar_from_run} if config.ar_from_run else
+              ar_settings(*engine, gen, config.batch_invariant))
+        dit = dit_settings(*engine, gen, config.step_cache)
         layout.check_settings("ar", ar)  # a resumed run: same settings, or a clear refusal
         layout.check_settings("dit", dit)
         device = resolve_device(device)
         gpus = visible_gpus(device)
-        dp = parallel_layout(device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, gpus)
+        dp = parallel_layout(device, config.tensor_parallel_size, config.pipeline_parallel_size,
+                             config.data_parallel_size, gpus)
         if num_shards == "auto":  # a resumed run keeps its sharding, wherever it resumes
             num_shards = (layout.read_json(layout.manifest_key) or {}).get("num_shards") or \
                 auto_num_shards(source.num_rows, dp)
-        manifest = check_existing(layout, shard_identity(dataset, source.fingerprint, kind, num_shards, validators[2]))
+        manifest = check_existing(layout, shard_identity(config.dataset, source.fingerprint, config.kind, num_shards,
+                                                         validators[2]))
         finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
         if not finished:
-            check_memory(model=model, device=device if gpus is None or device.startswith("cuda") else "cuda", gpus=gpus,
-                         data_parallel_size=dp,
-                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                         quantization=quantization, weights=weights, dtype=dtype, kind=kind,
-                         generation=gen, probe=probe)
+            check_memory(model=config.model, device=device if gpus is None or device.startswith("cuda") else "cuda",
+                         gpus=gpus, data_parallel_size=dp, tensor_parallel_size=config.tensor_parallel_size,
+                         pipeline_parallel_size=config.pipeline_parallel_size, quantization=config.quantization,
+                         weights=config.weights, dtype=config.dtype, kind=config.kind, generation=gen, probe=probe)
         if kv_url is not None and not finished and kv_url.startswith("mooncake://"):
             check_kv_store(kv_url)  # its servers answer (an embedded store was checked above)
         return {"device": device, "data_parallel_size": dp, "generation": gen, "validators": validators,

@@ -25,6 +25,7 @@ import typer
 from typer.core import TyperCommand
 
 from components.errors import one_line
+from components.jobconfig import JobConfig
 from components.kvstore.cli import app as store_app
 from components.runtime.ranks import dump_stacks_on_signal, gpu_env_defaults, rank_timeout_s
 from pipeline.sweep import app as sweep_app
@@ -170,11 +171,14 @@ def _invoked_as() -> list[str]:
     return prefix if "-m" in prefix else ["ardit"]  # `python -m pipeline.cli`, as typed
 
 
-def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_run_id: bool = True,
-         **options: Any) -> None:
+def _new_run_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:8]}"
+
+
+def _run(config: JobConfig, resume_adds_run_id: bool = True) -> None:
     from pipeline.local import run_job, run_status
 
-    run_id = run_id or f"{kind}-{uuid.uuid4().hex[:8]}"
+    kind, dataset, output, run_id = config.kind, config.dataset, config.output, config.run_id
     resume = _resume_command(run_id if resume_adds_run_id else None)
 
     def started() -> None:  # after every check passed, before any work
@@ -182,7 +186,7 @@ def _run(kind: str, dataset: str, output: str, run_id: str | None, resume_adds_r
         typer.echo(f"resume with: {resume}")
 
     try:
-        summary = run_job(dataset, output, run_id, kind=kind, on_start=started, **options)
+        summary = run_job(config, on_start=started)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (Terminated)
         st = run_status(output, run_id)
         done = (f"committed {len(st['committed'])} of {st['num_shards']} shard(s), plus {st['rows_recorded']} "
@@ -344,15 +348,16 @@ def _job_command(kind: str):
                        "--model": model, "--weights": weights, "--quantization": quantization, "--dtype": dtype,
                        "--device": device, "--batch-size": batch_size, "--kv-store": kv_store})
         _refuse_contradictions(greedy=greedy, temperature=temperature, dummy_weights=dummy_weights, weights=weights)
-        _run(kind, dataset, output, run_id, num_shards=auto_or_int(num_shards), kv_store=kv_store, model=model,
-             weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
-             pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
-             quantization=quantization, dtype=dtype, device=device, steps=steps, guidance=guidance,
-             flow_shift=flow_shift, bot_task=bot_task,
-             system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-             top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed, batch_size=auto_or_int(batch_size),
-             step_cache=step_cache, batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
-             max_num_batched_tokens=max_num_batched_tokens)
+        _run(JobConfig(
+            dataset=dataset, output=output, run_id=run_id or _new_run_id(kind), kind=kind,
+            num_shards=auto_or_int(num_shards), kv_store=kv_store, model=model, weights=weights,
+            dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
+            quantization=quantization, dtype=dtype, device=device, steps=steps, guidance=guidance,
+            flow_shift=flow_shift, bot_task=bot_task, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed,
+            batch_size=auto_or_int(batch_size), step_cache=step_cache, batch_invariant=batch_invariant,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens))
 
     return command
 
@@ -398,8 +403,8 @@ def demo(output: Output = "demo", steps: Steps = None) -> None:
     for kind in ("edit", "generate"):
         dataset = str(out / f"{kind}.parquet")
         sample_data(dataset, kind, 3, targets=True)
-        _run(kind, dataset, str(out / "runs"), f"demo-{kind}", resume_adds_run_id=False,
-             num_shards=1, model="demo", steps=steps, device="cpu")
+        _run(JobConfig(dataset=dataset, output=str(out / "runs"), run_id=f"demo-{kind}", kind=kind, num_shards=1,
+                       model="demo", steps=steps, device="cpu"), resume_adds_run_id=False)
         results, _ = judge_run(dataset, str(out / "runs" / f"demo-{kind}"))
         passed = sum(1 for _, verdict in results if verdict is not None and verdict.passed)
         typer.echo(f"demo {kind}: {passed} / {len(results)} rows pass the judge (exact targets in {dataset})")

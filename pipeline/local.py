@@ -22,10 +22,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from components.ar.run import run as ar_run
 from components.dit.run import run as dit_run
+
+if TYPE_CHECKING:
+    from components.jobconfig import JobConfig
 
 # The step functions a shard runs (module-level functions: rank processes receive them by reference).
 STEP_TARGETS = {"ar": ar_run, "dit": dit_run}
@@ -35,17 +38,7 @@ class ReplicasFailed(RuntimeError):
     """Every data-parallel replica failed; the shards left were not committed (a re-run resumes)."""
 
 
-def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_shards: int | str = 1,
-            model: str = "tiny", weights: str | None = None, dummy_weights: bool = False,
-            tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int | None = None,
-            quantization: str | None = None, kv_store: str | None = None,
-            steps: int | None = None, guidance: float | None = None, flow_shift: float | None = None, seed: int = 0,
-            kv_reuse: bool = True, dtype: str | None = None, temperature: float | None = None,
-            top_k: int | None = None, top_p: float | None = None, greedy: bool = False, bot_task: str | None = None,
-            system_prompt: str | None = None, batch_size: int | str = "auto", max_new_tokens: int | None = None,
-            device: str = "auto", save_latents: bool = False, ar_from_run: str | None = None, step_cache: float = 0.0,
-            batch_invariant: bool = False, gpu_memory_utilization: float = 0.9,
-            max_num_batched_tokens: int | None = None, progress: bool | str = "auto",
+def run_job(config: JobConfig, *, progress: bool | str = "auto",
             on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run a whole batch job; returns summary.json's content. Re-running a run id resumes it.
 
@@ -54,8 +47,9 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     settings is refused (SettingsConflictError, a ConfigError). `on_start` is called once the
     checks passed, before any work. A run whose shards are all committed does no work and loads
     nothing: its summary comes back with `nothing_to_do` set (and `on_start` is not called).
-    `data_parallel_size`: model copies (None: as many as the visible GPUs hold, 1 on the CPU);
-    `pipeline_parallel_size` x `tensor_parallel_size` GPUs each."""
+    `config.data_parallel_size`: model copies (None: as many as the visible GPUs hold, 1 on the
+    CPU); `pipeline_parallel_size` x `tensor_parallel_size` GPUs each. `progress`: the bars (see
+    components.progress.make_progress)."""
     from components.preflight import check_job
     from components.progress import make_progress
     from components.shard.run import run as run_shard
@@ -63,58 +57,57 @@ def run_job(dataset: str, output: str, run_id: str, *, kind: str = "edit", num_s
     from components.summary.run import run as run_summary
     from components.summary.run import split_by_replica, summarize
 
-    quantization = quantization_option(quantization)  # "none" (a sweep's, a user's) is no quantization
-    check_engine_options(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
-    generation = dict(steps=steps, guidance=guidance, flow_shift=flow_shift, bot_task=bot_task,
-                      system_prompt=system_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                      top_k=top_k, top_p=top_p)
+    # "none" (a sweep's, a user's) is no quantization
+    config = config.replace(quantization=quantization_option(config.quantization))
+    check_engine_options(gpu_memory_utilization=config.gpu_memory_utilization,
+                         max_num_batched_tokens=config.max_num_batched_tokens)
     start_s = process_age_s()
     t_checks = time.perf_counter()
-    plan = check_job(dataset=dataset, output=output, run_id=run_id, kind=kind, num_shards=num_shards, model=model,
-                     weights=weights, dummy_weights=dummy_weights, tensor_parallel_size=tensor_parallel_size,
-                     quantization=quantization, kv_store=kv_store, kv_reuse=kv_reuse, device=device, dtype=dtype,
-                     seed=seed, batch_size=batch_size, generation=generation, greedy=greedy,
-                     ar_from_run=ar_from_run, step_cache=step_cache, batch_invariant=batch_invariant,
-                     pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size)
+    plan = check_job(config)
     checks_s = time.perf_counter() - t_checks
     gen, layout = plan["generation"], plan["layout"]
     if plan["finished"]:
-        return {**(layout.read_json(layout.summary_key) or run_summary(output, run_id)), "nothing_to_do": True}
+        summary = layout.read_json(layout.summary_key) or run_summary(config.output, config.run_id)
+        return {**summary, "nothing_to_do": True}
     if on_start is not None:
         on_start()
     count_tokens, is_supported_size, max_prompt_tokens = plan["validators"]
     t0 = time.perf_counter()
-    manifest = run_shard(dataset, output, run_id, plan["num_shards"], kind, count_tokens=count_tokens,
-                         is_supported_size=is_supported_size, max_prompt_tokens=max_prompt_tokens)
+    manifest = run_shard(config.dataset, config.output, config.run_id, plan["num_shards"], config.kind,
+                         count_tokens=count_tokens, is_supported_size=is_supported_size,
+                         max_prompt_tokens=max_prompt_tokens)
     layout.remember_settings("ar", plan["settings"]["ar"])
     layout.remember_settings("dit", plan["settings"]["dit"])
-    if ar_from_run:
-        _copy_ar_outputs(output, ar_from_run, run_id, manifest["num_shards"])
-    engine = dict(model=model, weights=weights, dummy_weights=dummy_weights,
-                  tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_store=kv_store,
-                  device=plan["device"], dtype=dtype, seed=seed)
-    if pipeline_parallel_size != 1:
-        engine["pipeline_parallel_size"] = pipeline_parallel_size
+    if config.ar_from_run:
+        _copy_ar_outputs(config.output, config.ar_from_run, config.run_id, manifest["num_shards"])
+    engine = dict(model=config.model, weights=config.weights, dummy_weights=config.dummy_weights,
+                  tensor_parallel_size=config.tensor_parallel_size, quantization=config.quantization,
+                  kv_store=config.kv_store, device=plan["device"], dtype=config.dtype, seed=config.seed)
+    if config.pipeline_parallel_size != 1:
+        engine["pipeline_parallel_size"] = config.pipeline_parallel_size
 
     def shard_steps(shard: int) -> list[tuple[str, dict[str, Any]]]:
-        ar = dict(output=output, run_id=run_id, shard=shard, batch_size=batch_size, export_kv=kv_reuse,
-                  batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
-                  max_num_batched_tokens=max_num_batched_tokens, **{k: gen[k] for k in AR_GENERATION}, **engine)
-        dit = dict(output=output, run_id=run_id, shard=shard, steps=gen["steps"], guidance=gen["guidance"],
-                   flow_shift=gen["flow_shift"], kv_reuse=kv_reuse, save_latents=save_latents, step_cache=step_cache,
-                   **engine)
-        return ([] if ar_from_run else [(STEP_TARGETS["ar"], ar)]) + [(STEP_TARGETS["dit"], dit)]
+        ar = dict(output=config.output, run_id=config.run_id, shard=shard, batch_size=config.batch_size,
+                  export_kv=config.kv_reuse, batch_invariant=config.batch_invariant,
+                  gpu_memory_utilization=config.gpu_memory_utilization,
+                  max_num_batched_tokens=config.max_num_batched_tokens, **{k: gen[k] for k in AR_GENERATION},
+                  **engine)
+        dit = dict(output=config.output, run_id=config.run_id, shard=shard, steps=gen["steps"],
+                   guidance=gen["guidance"], flow_shift=gen["flow_shift"], kv_reuse=config.kv_reuse,
+                   save_latents=config.save_latents, step_cache=config.step_cache, **engine)
+        return ([] if config.ar_from_run else [(STEP_TARGETS["ar"], ar)]) + [(STEP_TARGETS["dit"], dit)]
 
     todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
     dp = min(plan["data_parallel_size"], max(len(todo), 1))  # no replica without a shard to take
-    if data_parallel_size is not None and dp < data_parallel_size:
-        hint = (f"--num-shards {data_parallel_size} or more gives each one work" if manifest["num_rows"] >=
-                data_parallel_size else f"the dataset has {manifest['num_rows']} row(s)")
-        print(f"--data-parallel-size {data_parallel_size}: {len(todo)} shard(s) to run, so {dp} model "
+    asked = config.data_parallel_size
+    if asked is not None and dp < asked:
+        hint = (f"--num-shards {asked} or more gives each one work" if manifest["num_rows"] >= asked
+                else f"the dataset has {manifest['num_rows']} row(s)")
+        print(f"--data-parallel-size {asked}: {len(todo)} shard(s) to run, so {dp} model "
               f"cop{'y' if dp == 1 else 'ies'} ({hint}; a copy without a shard would load the model for nothing)",
               file=sys.stderr, flush=True)
-    with make_progress(progress, job_steps=len(todo) * (1 if ar_from_run else 2), replicas=dp) as bars:
-        replicas = run_replicas(todo, shard_steps, bars, dp, tensor_parallel_size, pipeline_parallel_size,
+    with make_progress(progress, job_steps=len(todo) * (1 if config.ar_from_run else 2), replicas=dp) as bars:
+        replicas = run_replicas(todo, shard_steps, bars, dp, config.tensor_parallel_size, config.pipeline_parallel_size,
                                 plan["device"])
     summary = summarize(layout)
     split_by_replica(summary, replicas.ran, dp)

@@ -357,11 +357,11 @@ def test_step_options_are_checked_and_passed(monkeypatch, tmp_path):
     from pipeline.cli import main as ardit
 
     jobs = []
-    monkeypatch.setattr(local, "run_job", lambda *a, **kw: jobs.append(kw) or {"rows_total": 0})
+    monkeypatch.setattr(local, "run_job", lambda config, **kw: jobs.append(config) or {"rows_total": 0})
     ardit(["generate", str(tmp_path / "x.parquet"), "-o", str(tmp_path)])
     ardit(["generate", str(tmp_path / "x.parquet"), "-o", str(tmp_path), "--batch-size", "12",
            "--gpu-memory-utilization", "0.7", "--max-num-batched-tokens", "4096"])
-    assert [(j["batch_size"], j["gpu_memory_utilization"], j["max_num_batched_tokens"]) for j in jobs] == \
+    assert [(j.batch_size, j.gpu_memory_utilization, j.max_num_batched_tokens) for j in jobs] == \
         [("auto", 0.9, None), (12, 0.7, 4096)]
 
 

@@ -126,7 +126,7 @@ def test_step_program_and_cli_pass_the_flag(monkeypatch, tmp_path):
     from pipeline.cli import main as ardit
 
     jobs = []
-    monkeypatch.setattr(local, "run_job", lambda *a, **kw: jobs.append(kw) or {"rows_total": 0})
+    monkeypatch.setattr(local, "run_job", lambda config, **kw: jobs.append(config) or {"rows_total": 0})
     ardit(["generate", str(tmp_path / "x.parquet"), "-o", str(tmp_path), "--batch-invariant"])
     ardit(["generate", str(tmp_path / "x.parquet"), "-o", str(tmp_path)])
-    assert [j["batch_invariant"] for j in jobs] == [True, False]
+    assert [j.batch_invariant for j in jobs] == [True, False]

@@ -18,14 +18,15 @@ import os
 import pytest
 
 from components.data.runs import RunLayout
+from components.jobconfig import JobConfig
 
 from . import parallel_targets
 from .test_engine_helpers import psnr
 
 pytestmark = pytest.mark.slow
 
-JOB = dict(kind="edit", num_shards=4, model="tiny", device="cpu", seed=0, progress=False, steps=2, guidance=5.0,
-           max_new_tokens=4, temperature=0.0)
+JOB = dict(kind="edit", num_shards=4, model="tiny", device="cpu", seed=0, steps=2, guidance=5.0, max_new_tokens=4,
+           temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +66,14 @@ def test_two_replicas_match_one_and_each_loads_its_engine_once(dataset, tmp_path
     plain = Engine.load.__func__
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **kw: loads.append(1) or plain(cls, *a, **kw)))
     models._cached_engine.cache_clear()
-    one = run_job(dataset, out, "dp1", data_parallel_size=1, **JOB)
+    one = run_job(JobConfig(dataset=dataset, output=out, run_id="dp1", data_parallel_size=1, **JOB), progress=False)
     assert len(loads) == 1  # the one-process job: AR and DiT of all 4 shards share one engine
     assert {s.get("replica") for s in one["shards"]} == {0}
 
     log = tmp_path / "loads.log"
     monkeypatch.setenv("ARDIT_TEST_LOAD_LOG", str(log))
     _targets(monkeypatch, ar="ar_counting_loads", dit="dit_counting_loads")
-    two = run_job(dataset, out, "dp2", data_parallel_size=2, **JOB)
+    two = run_job(JobConfig(dataset=dataset, output=out, run_id="dp2", data_parallel_size=2, **JOB), progress=False)
     assert two["rows_ok"] == one["rows_ok"] == 4 and two["complete"]
     assert two["data_parallel"] == {"replicas": 2, "failed": []}
     assert one["close_s"] is None and two["close_s"] >= 0  # the replicas' ranks stopping, after the last commit
@@ -101,7 +102,8 @@ def test_a_killed_replica_gives_its_shard_to_another(dataset, tmp_path, monkeypa
     out = str(tmp_path / "runs")
     monkeypatch.setenv("ARDIT_TEST_KILL_FLAG", str(tmp_path / "killed"))
     _targets(monkeypatch, dit="dit_killed_once")
-    summary = run_job(dataset, out, "kill", data_parallel_size=2, **{**JOB, "progress": "log"})
+    summary = run_job(JobConfig(dataset=dataset, output=out, run_id="kill", data_parallel_size=2, **JOB),
+                      progress="log")
     assert (tmp_path / "killed").exists()
     (failure,) = summary["data_parallel"]["failed"]
     assert "killed or crashed" in failure["error"]

@@ -301,6 +301,7 @@ def test_bad_rows_become_error_rows_and_the_rest_run(tmp_path):
     from components.data.datasets import write_parquet_bytes
     from components.data.objectstore import open_object_store
     from components.data.sample import draw_scene
+    from components.jobconfig import JobConfig
     from pipeline.local import run_job
     import random
 
@@ -320,8 +321,9 @@ def test_bad_rows_become_error_rows_and_the_rest_run(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(write_parquet_bytes(pa.Table.from_pylist(rows, schema=schema)))
     output = str(tmp_path / "out")
 
-    summary = run_job(str(tmp_path / "bad.parquet"), output, "bad", kind="edit", num_shards=2, steps=3,
-                      max_new_tokens=6, device="cpu", progress=False)
+    job = JobConfig(dataset=str(tmp_path / "bad.parquet"), output=output, run_id="bad", kind="edit", num_shards=2,
+                    steps=3, max_new_tokens=6, device="cpu")
+    summary = run_job(job, progress=False)
     assert (summary["rows_total"], summary["rows_ok"], summary["rows_failed"], summary["rows_pending"]) == (6, 2, 4, 0)
     assert summary["complete"] is True
     errors = {e["id"]: e["error"] for e in summary["errors"]}
@@ -351,8 +353,7 @@ def test_bad_rows_become_error_rows_and_the_rest_run(tmp_path):
     # clean exits: the summary program accepts the finished run, and a re-run is a no-op resume
     proc = run_step("components.summary", "--output", output, "--run-id", "bad", "--require-complete")
     assert last_json(proc)["rows_failed"] == 4
-    again = run_job(str(tmp_path / "bad.parquet"), output, "bad", kind="edit", num_shards=2, steps=3,
-                    max_new_tokens=6, device="cpu", progress=False)
+    again = run_job(job, progress=False)
     assert (again["rows_ok"], again["rows_failed"]) == (2, 4)
 
     # `ardit edit` of the same run exits 1 and says which rows failed and why, not only "rows_failed 4"
@@ -377,6 +378,7 @@ def test_bad_rows_become_error_rows_and_the_rest_run(tmp_path):
 def test_job_completes_through_transient_s3_503s(s3_env, s3_prefix, monkeypatch):
     from components.data.objectstore import open_object_store
     from components.data.sample import write_sample_edit_dataset
+    from components.jobconfig import JobConfig
     from pipeline.local import run_job
 
     dataset = write_sample_edit_dataset(f"{s3_prefix}/data", n=2, size=64, seed=9)  # direct, no faults
@@ -384,8 +386,8 @@ def test_job_completes_through_transient_s3_503s(s3_env, s3_prefix, monkeypatch)
     with FlakyS3Proxy(s3_env.endpoint, every=3) as proxy:
         monkeypatch.setenv("ARDIT_S3_ENDPOINT", proxy.url)
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        summary = run_job(dataset, output, run_id, kind="edit", num_shards=2, steps=3, max_new_tokens=6,
-                          device="cpu", progress=False)
+        summary = run_job(JobConfig(dataset=dataset, output=output, run_id=run_id, kind="edit", num_shards=2,
+                                    steps=3, max_new_tokens=6, device="cpu"), progress=False)
     print(f"proxy: requests {proxy.seen}, 503s injected {proxy.injected}, forwarded {proxy.forwarded}")
     assert (summary["rows_total"], summary["rows_ok"], summary["rows_failed"]) == (2, 2, 0)
     assert summary["complete"] is True

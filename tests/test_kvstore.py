@@ -399,12 +399,14 @@ def test_a_full_kv_disk_makes_rows_recompute_not_fail(tmp_path):
     """A job whose embedded store has no room: every row still ends ok, recomputed, saying why."""
     from components.data.runs import RunLayout
     from components.data.sample import write_sample_edit_dataset
+    from components.jobconfig import JobConfig
     from pipeline.local import run_job
 
     dataset = write_sample_edit_dataset(tmp_path / "edit.parquet", n=2)
-    summary = run_job(str(dataset), str(tmp_path / "out"), "full", num_shards=1, model="tiny", device="cpu",
-                      steps=2, max_new_tokens=4, temperature=0.0, progress=False,
-                      kv_store=f"local://{tmp_path}/kv?min_free=1000000G")  # no disk has that much free
+    summary = run_job(JobConfig(dataset=str(dataset), output=str(tmp_path / "out"), run_id="full", num_shards=1,
+                                model="tiny", device="cpu", steps=2, max_new_tokens=4, temperature=0.0,
+                                kv_store=f"local://{tmp_path}/kv?min_free=1000000G"),  # no disk has that much free
+                      progress=False)
     assert summary["rows_failed"] == 0 and summary["rows_ok"] == 2
     rows = RunLayout.open(str(tmp_path / "out"), "full").read_rows(0).to_pylist()
     assert [r["kv_path"] for r in rows] == ["recompute"] * 2

@@ -34,6 +34,7 @@ def dataset(tmp_path_factory):
 def test_a_job_whose_ar_runs_out_of_memory_mid_forward_halves_and_completes(dataset, tmp_path, monkeypatch, capfd,
                                                                             ranks, bad_rank):
     import pipeline.local
+    from components.jobconfig import JobConfig
     from pipeline.local import run_job
 
     marker = tmp_path / "oom-fired"
@@ -44,8 +45,8 @@ def test_a_job_whose_ar_runs_out_of_memory_mid_forward_halves_and_completes(data
     monkeypatch.setenv("ARDIT_RANK_TIMEOUT_S", "90")  # a hang would end as a collective timeout, not hold CI
     out = str(tmp_path / "out")
     capfd.readouterr()
-    summary = run_job(dataset, out, "oom", kind="edit", num_shards=2, model="tiny", device="cpu", seed=0,
-                      progress=False, batch_size=8, **AR, **GEN, **ranks)
+    summary = run_job(JobConfig(dataset=dataset, output=out, run_id="oom", kind="edit", num_shards=2, model="tiny",
+                                device="cpu", seed=0, batch_size=8, **AR, **GEN, **ranks), progress=False)
     err = capfd.readouterr().err
     assert marker.exists()  # the OOM fired
     assert (f"rank {bad_rank} of 2 failed: torch.OutOfMemoryError: CUDA out of memory (injected on rank "

@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 
 from components.errors import ConfigError
+from components.jobconfig import JobConfig
 from components.preflight import ROWS_PER_SHARD, auto_num_shards, check_job
-
-GENERATION = dict(steps=2, guidance=5.0, flow_shift=None, bot_task=None, system_prompt=None, max_new_tokens=4,
-                  temperature=None, top_k=None, top_p=None)
 
 
 @pytest.mark.parametrize("rows,dp,shards", [
@@ -26,10 +24,9 @@ def test_auto_shards(rows, dp, shards):
 
 
 def _plan(dataset: str, output: str, run_id: str, num_shards, dp: int | None = None) -> dict:
-    return check_job(dataset=dataset, output=output, run_id=run_id, kind="edit", num_shards=num_shards, model="tiny",
-                     weights=None, dummy_weights=False, tensor_parallel_size=1, quantization=None, kv_store=None,
-                     kv_reuse=True, device="cpu", dtype=None, seed=0, batch_size="auto", generation=GENERATION,
-                     data_parallel_size=dp)
+    return check_job(JobConfig(dataset=dataset, output=output, run_id=run_id, kind="edit", num_shards=num_shards,
+                               model="tiny", device="cpu", steps=2, guidance=5.0, max_new_tokens=4,
+                               batch_size="auto", data_parallel_size=dp))
 
 
 @pytest.fixture(scope="module")

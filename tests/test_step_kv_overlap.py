@@ -252,12 +252,13 @@ def test_a_job_with_no_kv_reuse_recomputes_every_row(tmp_path):
     import json
 
     from components.data.sample import write_sample_generate_dataset
+    from components.jobconfig import JobConfig
     from pipeline.local import run_job
 
     dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=3, seed=5)
     output = tmp_path / "out"
-    summary = run_job(dataset, str(output), "nr", kind="generate", num_shards=1, steps=STEPS,
-                      max_new_tokens=TOKENS, kv_reuse=False, device="cpu", progress=False)
+    summary = run_job(JobConfig(dataset=dataset, output=str(output), run_id="nr", kind="generate", num_shards=1,
+                                steps=STEPS, max_new_tokens=TOKENS, kv_reuse=False, device="cpu"), progress=False)
     assert summary["rows_ok"] == 3
     rows = pq.read_table(output / "nr" / "shards" / "0" / "rows.parquet").to_pylist()
     assert [(r["kv_path"], r["kv_reason"]) for r in rows] == [("recompute", "reuse disabled")] * 3

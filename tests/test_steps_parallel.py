@@ -103,12 +103,13 @@ def test_a_killed_rank_fails_the_step_and_a_rerun_resumes(dataset, baseline, tmp
 def test_a_tensor_parallel_job_shares_its_ranks_across_shards(dataset, tmp_path):
     """`ardit edit --tp 2` over 2 shards: one rank pool for the whole job (each rank loads the engine
     once), every row ok, the same images as the single-process job."""
+    from components.jobconfig import JobConfig
     from pipeline.local import run_job
 
-    common = dict(kind="edit", num_shards=2, model="tiny", device="cpu", seed=0, progress=False,
-                  **{k: v for k, v in AR.items()}, **GEN)
-    ref = run_job(dataset, str(tmp_path), "tp1", tensor_parallel_size=1, **common)
-    got = run_job(dataset, str(tmp_path), "tp2", tensor_parallel_size=2, **common)
+    job = JobConfig(dataset=dataset, output=str(tmp_path), run_id="tp1", kind="edit", num_shards=2, model="tiny",
+                    device="cpu", seed=0, **AR, **GEN)
+    ref = run_job(job, progress=False)
+    got = run_job(job.replace(run_id="tp2", tensor_parallel_size=2), progress=False)
     assert got["rows_ok"] == ref["rows_ok"] == 2
     rows1 = {**_rows_of(str(tmp_path), "tp1")}
     for row_id, row in _rows_of(str(tmp_path), "tp2").items():
