@@ -19,6 +19,9 @@ still fails the step, and the retry must not run into it again).
 Rows whose image is already committed by the DiT step are skipped (resume). ar.parquet is written
 once, atomically, at the end; a killed AR step leaves nothing the DiT step would trust, and a
 failing one deletes the payloads it already put on its way out (what it cannot delete expires).
+
+What both steps do around their rows (settings, engine load, the step record) is in
+components/step_lifecycle.py.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@
 Each ok row records `kv_wait_s`, the time the denoising loop waited for its KV (the part of the
 transfer the prefetch did not hide); the summary reports it per shard against the DiT time.
 A store lost or restarted mid-shard costs recomputes (with the reason), never the shard.
+
+What both steps do around their rows (settings, engine load, the step record) is in
+components/step_lifecycle.py.
 """
 
 from __future__ import annotations
