@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from components.data.runs import RunLayout
+from components.models import load_engine
 from components.progress import LogProgress, NoProgress
-from components.steps import load_engine
 
 
 @dataclass

@@ -36,18 +36,11 @@ from typing import Any
 from components.ar.budget import apply_budget, read_budget, remember_budget
 from components.data.ar_outputs import read_ar_rows, write_ar_rows
 from components.data.runs import RunLayout
+from components.generation import AR_SETTINGS, resolve_generation
 from components.kvstore.base import delete_quietly
+from components.options import check_bench_cot, check_engine_options
+from components.run_kv import default_kv_store, expire_other_runs_kv, kv_key, open_kv_store
 from components.step_lifecycle import begin_step
-from components.steps import (
-    AR_SETTINGS,
-    check_bench_cot,
-    check_engine_options,
-    default_kv_store,
-    expire_other_runs_kv,
-    kv_key,
-    open_kv_store,
-    resolve_generation,
-)
 
 
 def ar_settings(model: str, weights: str | None, dummy_weights: bool, dtype: str | None, quantization: str | None,
@@ -70,7 +63,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     """Run the AR step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
-    tensor-parallel launcher (components.ranks), None in one process. `batch_invariant`: each row
+    tensor-parallel launcher (components.runtime.ranks), None in one process. `batch_invariant`: each row
     runs as its own batch, so its CoT and K/V do not depend on the other rows of its batch or shard
     (the kernel setting batch_invariant=on, for this step only). `batch_size`: "auto" (rows in
     flight sized to `gpu_memory_utilization` of the GPU) or a hard cap; `max_num_batched_tokens`:

@@ -30,17 +30,11 @@ from typing import Any
 
 from components.data.ar_outputs import read_ar_rows
 from components.data.runs import RunLayout, ShardWriter, row_key
+from components.generation import DIT_SETTINGS, resolve_generation
 from components.kvstore.base import delete_quietly
+from components.options import check_engine_options
+from components.run_kv import default_kv_store, expire_other_runs_kv, kv_key, open_kv_store
 from components.step_lifecycle import begin_step
-from components.steps import (
-    DIT_SETTINGS,
-    check_engine_options,
-    default_kv_store,
-    expire_other_runs_kv,
-    kv_key,
-    open_kv_store,
-    resolve_generation,
-)
 
 
 def dit_settings(model: str, weights: str | None, dummy_weights: bool, dtype: str | None, quantization: str | None,
@@ -62,7 +56,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     """Run the DiT step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
-    tensor-parallel launcher (components.ranks), None in one process."""
+    tensor-parallel launcher (components.runtime.ranks), None in one process."""
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          seed=seed, device=device, step_cache=step_cache,
                          pipeline_parallel_size=pipeline_parallel_size)
