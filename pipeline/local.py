@@ -2,13 +2,13 @@
 
 The same step functions the containers run (`components.*.run`). Each model copy (a data-parallel
 replica: tp x pp GPUs) loads its engine once for the whole job, and its AR and DiT steps share it.
-Shards go to the replicas through a work queue: a free replica takes the next shard and runs its
-AR step, then its DiT step. A replica that fails (a rank raised or died) gives its shard back and
-retires; the others finish the job. An AR step that ran out of memory inside a forward of its
-tp x pp ranks (which cannot retry the batch alone) is not such a failure: run_step starts the
-replica's ranks again and runs the step again from the halved budget the run kept (at most
-MAX_OOM_RESTARTS times, only while the budget shrinks); committed shards stay. `ardit edit` /
-`ardit generate` and the accuracy sweeps use it.
+Shards go to the replicas (components/runtime/replicas.py) through a work queue: a free replica
+takes the next shard and runs its AR step, then its DiT step. A replica that fails (a rank raised or
+died) gives its shard back and retires; the others finish the job. An AR step that ran out of memory
+inside a forward of its tp x pp ranks (which cannot retry the batch alone) is not such a failure:
+run_step starts the replica's ranks again and runs the step again from the halved budget the run
+kept (at most MAX_OOM_RESTARTS times, only while the budget shrinks); committed shards stay.
+`ardit edit` / `ardit generate` and the accuracy sweeps use it.
 
     --dp 1, tp x pp = 1   the steps run in this process (as before)
     --dp 1, tp x pp > 1   one RankPool of tp x pp ranks on GPUs 0 .. tp*pp-1
@@ -19,7 +19,6 @@ MAX_OOM_RESTARTS times, only while the budget shrinks); committed shards stay. `
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -50,10 +49,11 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
     `config.data_parallel_size`: model copies (None: as many as the visible GPUs hold, 1 on the
     CPU); `pipeline_parallel_size` x `tensor_parallel_size` GPUs each. `progress`: the bars (see
     components.progress.make_progress)."""
+    from components.options import check_engine_options, quantization_option
     from components.preflight import check_job
     from components.progress import make_progress
+    from components.runtime.replicas import run_replicas
     from components.shard.run import run as run_shard
-    from components.options import check_engine_options, quantization_option
     from components.summary.run import run as run_summary
     from components.summary.run import split_by_replica, summarize
 
@@ -86,7 +86,7 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
     if config.pipeline_parallel_size != 1:
         engine["pipeline_parallel_size"] = config.pipeline_parallel_size
 
-    def shard_steps(shard: int) -> list[tuple[str, dict[str, Any]]]:
+    def shard_steps(shard: int) -> list[tuple[Callable[..., Any], dict[str, Any]]]:
         ar = dict(output=config.output, run_id=config.run_id, shard=shard, batch_size=config.batch_size,
                   export_kv=config.kv_reuse, batch_invariant=config.batch_invariant,
                   gpu_memory_utilization=config.gpu_memory_utilization,
@@ -139,118 +139,6 @@ def process_age_s() -> float | None:
         return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - started)
     except (OSError, ValueError, IndexError):
         return None
-
-
-class _Replicas:
-    """What the replicas did: which replica ran each shard, the failures, the shards left over."""
-
-    def __init__(self, todo: list[int]):
-        self.pending = list(todo)
-        self.in_flight = 0
-        self.ran: dict[int, int] = {}
-        self.failed: list[dict[str, Any]] = []
-        self.left: list[int] = []
-        self.changed = threading.Condition()
-        self.stop = threading.Event()
-        self.pools: dict[int, Any] = {}
-        self.close_s: dict[int, float] = {}  # per replica: how long its ranks took to stop after the work
-
-    def take(self) -> int | None:
-        """The next shard, waiting while others are in flight (a failure may give one back);
-        None when nothing is left to do."""
-        with self.changed:
-            while not self.pending and self.in_flight and not self.stop.is_set():
-                self.changed.wait(0.5)
-            if not self.pending or self.stop.is_set():
-                return None
-            self.in_flight += 1
-            return self.pending.pop(0)
-
-    def done(self, shard: int, replica: int, error: str | None = None) -> None:
-        with self.changed:
-            self.in_flight -= 1
-            if error is None:
-                self.ran[shard] = replica
-            else:  # back to the queue, first in line
-                self.pending.insert(0, shard)
-                self.failed.append({"replica": replica, "shard": shard, "error": error})
-            self.changed.notify_all()
-
-
-def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[str, dict[str, Any]]]], bars: Any,
-                 data_parallel_size: int, tensor_parallel_size: int, pipeline_parallel_size: int,
-                 device: str) -> _Replicas:
-    """Run every shard of `todo` (its steps from `shard_steps`) on `data_parallel_size` replicas."""
-    import os
-
-    from components.errors import one_line
-    from components.progress import SharedProgress
-    from components.runtime.dispatch import rank_pool, run_step
-
-    state = _Replicas(todo)
-    world = tensor_parallel_size * pipeline_parallel_size
-    if not todo:
-        return state
-
-    def replica(index: int, progress: Any) -> None:
-        own = data_parallel_size > 1  # a replica in processes of its own (its pool), fed by this thread
-        ids = list(range(index * world, (index + 1) * world)) if device == "cuda" and own else None
-        threads = max(1, (os.cpu_count() or 1) // (data_parallel_size * world)) if own else None
-        shard, error, steps_done = None, None, 0
-        try:
-            with rank_pool(tensor_parallel_size, device, pipeline_parallel_size=pipeline_parallel_size,
-                           device_ids=ids, cpu_threads=threads, own_process=own) as pool:
-                state.pools[index] = pool
-                while (shard := state.take()) is not None:
-                    steps_done = 0
-                    for target, kwargs in shard_steps(shard):
-                        run_step(target, kwargs, progress, pool=pool)
-                        steps_done += 1
-                    state.done(shard, index)
-                t_close = time.perf_counter()
-            if pool is not None:  # its rank processes stopped when the `with` ended
-                state.close_s[index] = time.perf_counter() - t_close
-        except Exception as exc:  # noqa: BLE001 - the replica is gone; its shard goes back to the queue
-            if not own:
-                raise  # the only replica: the job fails as it always did (nothing uncommitted is trusted)
-            error = f"replica {index}: {type(exc).__name__}: {exc}"
-        finally:
-            state.pools.pop(index, None)
-        if error is not None:  # its ranks are stopped (the pool closed) before another replica redoes it
-            if state.stop.is_set():
-                return  # the job was interrupted: its ranks were stopped on purpose
-            if shard is None:
-                with state.changed:
-                    state.failed.append({"replica": index, "shard": None, "error": error})
-                    state.changed.notify_all()
-                progress.redo(f"data-parallel {one_line(error)}; the other replicas go on", 0)
-            else:
-                # said now, on the terminal: the job may still end well (exit 0), one replica short
-                progress.redo(f"data-parallel {one_line(error)}; shard {shard} goes back to the queue for the other "
-                              "replicas" + (f" (its {steps_done} finished step(s) run again)" if steps_done else ""),
-                              steps_done)
-                state.done(shard, index, error)
-
-    if data_parallel_size == 1:  # in this thread: Ctrl-C and errors behave as they always did
-        replica(0, bars)
-    else:
-        shared = SharedProgress(bars)
-        threads = [threading.Thread(target=replica, args=(r, shared), name=f"replica-{r}", daemon=True)
-                   for r in range(data_parallel_size)]
-        for t in threads:
-            t.start()
-        try:
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.2)
-        except KeyboardInterrupt:
-            state.stop.set()
-            for pool in list(state.pools.values()):
-                for p in pool.procs if pool is not None else []:
-                    p.terminate()
-            raise
-    state.left = sorted(state.pending)
-    return state
 
 
 def run_status(output: str, run_id: str) -> dict[str, Any]:
