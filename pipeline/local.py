@@ -7,7 +7,7 @@ takes the next shard and runs its AR step, then its DiT step. A replica that fai
 died) gives its shard back and retires; the others finish the job. An AR step that ran out of memory
 inside a forward of its tp x pp ranks (which cannot retry the batch alone) is not such a failure:
 run_step starts the replica's ranks again and runs the step again from the halved budget the run
-kept (at most MAX_OOM_RESTARTS times, only while the budget shrinks); committed shards stay.
+kept (RESTART_FROM; at most MAX_RESTARTS times, only while the budget shrinks); committed shards stay.
 `ardit edit` / `ardit generate` and the accuracy sweeps use it.
 
     --dp 1, tp x pp = 1   the steps run in this process (as before)
@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from components.ar.budget import kept_budget
 from components.ar.run import run as ar_run
 from components.dit.run import run as dit_run
 
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 # The step functions a shard runs (module-level functions: rank processes receive them by reference).
 STEP_TARGETS = {"ar": ar_run, "dit": dit_run}
+# What a step's ranks start again from after they failed (run_step's `restart_from`): the AR step's
+# budget, halved by an OOM inside a forward. A DiT failure stands.
+RESTART_FROM = {"ar": kept_budget, "dit": None}
 
 
 class ReplicasFailed(RuntimeError):
@@ -52,7 +56,7 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
     from components.options import check_engine_options, quantization_option
     from components.preflight import check_job
     from components.progress import make_progress
-    from components.runtime.replicas import run_replicas
+    from components.runtime.replicas import ShardStep, run_replicas
     from components.shard.run import run as run_shard
     from components.summary.run import run as run_summary
     from components.summary.run import split_by_replica, summarize
@@ -86,7 +90,7 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
     if config.pipeline_parallel_size != 1:
         engine["pipeline_parallel_size"] = config.pipeline_parallel_size
 
-    def shard_steps(shard: int) -> list[tuple[Callable[..., Any], dict[str, Any]]]:
+    def shard_steps(shard: int) -> list[ShardStep]:
         ar = dict(output=config.output, run_id=config.run_id, shard=shard, batch_size=config.batch_size,
                   export_kv=config.kv_reuse, batch_invariant=config.batch_invariant,
                   gpu_memory_utilization=config.gpu_memory_utilization,
@@ -95,7 +99,8 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
         dit = dict(output=config.output, run_id=config.run_id, shard=shard, steps=gen["steps"],
                    guidance=gen["guidance"], flow_shift=gen["flow_shift"], kv_reuse=config.kv_reuse,
                    save_latents=config.save_latents, step_cache=config.step_cache, **engine)
-        return ([] if config.ar_from_run else [(STEP_TARGETS["ar"], ar)]) + [(STEP_TARGETS["dit"], dit)]
+        steps = {"dit": dit} if config.ar_from_run else {"ar": ar, "dit": dit}
+        return [(STEP_TARGETS[name], kwargs, RESTART_FROM[name]) for name, kwargs in steps.items()]
 
     todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
     dp = min(plan["data_parallel_size"], max(len(todo), 1))  # no replica without a shard to take

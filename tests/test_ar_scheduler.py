@@ -340,7 +340,7 @@ def test_step_options_are_checked_and_passed(monkeypatch, tmp_path):
     from components.options import check_engine_options
 
     seen = {}
-    monkeypatch.setattr(ar_main, "run_step", lambda target, kwargs, progress: seen.update(kwargs) or {})
+    monkeypatch.setattr(ar_main, "run_step", lambda target, kwargs, progress, **kw: seen.update(kwargs) or {})
     base = ["--output", str(tmp_path), "--run-id", "r", "--shard", "0"]
     assert ar_main.main(base) == 0
     assert (seen["batch_size"], seen["gpu_memory_utilization"], seen["max_num_batched_tokens"]) == ("auto", 0.9, None)

@@ -116,7 +116,7 @@ def test_step_program_and_cli_pass_the_flag(monkeypatch, tmp_path):
     import pipeline.local as local
 
     seen = {}
-    monkeypatch.setattr(ar_main, "run_step", lambda target, kwargs, progress: seen.update(kwargs) or {})
+    monkeypatch.setattr(ar_main, "run_step", lambda target, kwargs, progress, **kw: seen.update(kwargs) or {})
     assert ar_main.main(["--output", str(tmp_path), "--run-id", "r", "--shard", "0", "--batch-invariant"]) == 0
     assert seen["batch_invariant"] is True
     seen.clear()

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from components.ar.budget import kept_budget
 from components.ar.run import run as ar_run
 from components.data.runs import RunLayout
 from components.dit.run import run as dit_run
@@ -80,7 +81,7 @@ def test_a_stage_that_fails_mid_step_restarts_the_ranks_with_half_the_batch(data
     monkeypatch.setenv("ARDIT_RANK_TIMEOUT_S", "90")  # a hang would end as a collective timeout, not hold CI
     capfd.readouterr()
     run_step(oom_targets.ar_out_of_memory_in_a_forward_once,
-             {**common, **AR, **PP2, "marker": str(tmp_path / "oom-fired")})
+             {**common, **AR, **PP2, "marker": str(tmp_path / "oom-fired")}, restart_from=kept_budget)
     err = capfd.readouterr().err
     assert "rank 0 of 2 failed: torch.OutOfMemoryError: CUDA out of memory (injected on stage 0); starting the " \
            "ranks again with at most 1 AR row(s) in flight (restart 1 of at most 6)" in err, err
@@ -103,7 +104,8 @@ def test_an_oom_at_one_row_in_flight_fails_the_step_without_a_restart(dataset, t
     monkeypatch.setenv("ARDIT_RANK_TIMEOUT_S", "90")
     capfd.readouterr()
     with pytest.raises(RankFailed, match=r"rank 0 of 2 failed: torch.OutOfMemoryError: CUDA out of memory \(injected"):
-        run_step(parallel_targets.ar_out_of_memory_on_stage0, {**common, **AR, **PP2, "batch_size": 1})
+        run_step(parallel_targets.ar_out_of_memory_on_stage0, {**common, **AR, **PP2, "batch_size": 1},
+                 restart_from=kept_budget)
     assert "starting the ranks again" not in capfd.readouterr().err
     layout = RunLayout.open(out, "oom1")
     assert layout.read_json(layout.settings_key("ar_budget")) is None

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
+        from components.ar.budget import kept_budget
         from components.ar.run import run as ar_run
         from components.progress import make_progress
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                       batch_invariant=args.batch_invariant, gpu_memory_utilization=args.gpu_memory_utilization,
                       max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
         with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
-            result = run_step(ar_run, kwargs, progress)
+            result = run_step(ar_run, kwargs, progress, restart_from=kept_budget)
         print(json.dumps(result))
         return 0
 

@@ -12,6 +12,7 @@ parallel size, CPU or GPU); another layout sizes its budget afresh.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from components.data.runs import RunLayout, utc_now
@@ -39,6 +40,32 @@ def read_budget(layout: RunLayout, tensor_parallel_size: int, pipeline_parallel_
         return None
     return saved
 
+
+
+@dataclass(frozen=True)
+class KeptBudget:
+    """The budget a run's AR steps start from after an OOM (read_budget's row cap and K/V budget)."""
+
+    max_rows: int | None
+    kv_budget_bytes: int | None
+
+    def __str__(self) -> str:  # run_step says what the ranks start again with
+        return f"at most {self.max_rows} AR row(s) in flight"
+
+
+def kept_budget(step_kwargs: dict[str, Any]) -> KeptBudget | None:
+    """The AR step's `restart_from` for components.runtime.dispatch.run_step: the budget the run
+    keeps for the step's layout, or None (none, or not a step of a run). Ranks that ran out of
+    memory inside a forward fail with a smaller one kept: run_step starts them again from it."""
+    if "output" not in step_kwargs or "run_id" not in step_kwargs:
+        return None
+    try:
+        saved = read_budget(RunLayout.open(step_kwargs["output"], step_kwargs["run_id"]),
+                            int(step_kwargs.get("tensor_parallel_size") or 1),
+                            int(step_kwargs.get("pipeline_parallel_size") or 1), step_kwargs.get("device", "cpu"))
+    except Exception:  # noqa: BLE001 - no budget to go by: the failure stands as it is
+        return None
+    return None if saved is None else KeptBudget(saved.get("max_rows"), saved.get("kv_budget_bytes"))
 
 def apply_budget(admission: Any, saved: dict[str, Any] | None, parallel: Any = None) -> dict[str, Any] | None:
     """Lower `admission` (an ar_scheduler.Admission) to the saved budget; every rank agrees on the

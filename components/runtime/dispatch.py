@@ -1,6 +1,6 @@
 """Run a step function: in this process, or on the tensor- / pipeline-parallel rank processes of
-components.runtime.ranks; an AR step that ran out of memory on the ranks starts them again from
-the halved budget the run kept."""
+components.runtime.ranks; ranks that failed and left the step something new to start from (its
+`restart_from`: an AR step's halved budget after an OOM) start again from it."""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ from components.runtime.layout import check_pipeline_stages, check_tensor_parall
 # step's keywords, `progress` and `parallel`; rank processes get it by reference, so it is a
 # module-level function.
 Step = Callable[..., Any]
+# What a step would start from, given its keywords (None: nothing to go by), e.g.
+# components.ar.budget.kept_budget. run_step reads it before the ranks run and after they failed:
+# when the failure changed it, the ranks start again (str() of it is said on stderr).
+RestartFrom = Callable[[dict[str, Any]], Any]
 
 
 def run_step(step: Step, kwargs: dict[str, Any], progress: Any = None, cfg_parallel: bool = False,
-             pool: Any = None) -> Any:
+             pool: Any = None, restart_from: RestartFrom | None = None) -> Any:
     """Call `step(**kwargs)` in this process, or, with tensor_parallel_size N and
     pipeline_parallel_size P, N * P > 1 (or a CFG-parallel DiT), on N * P rank processes: every
     rank computes, rank 0 reads and writes. `pool`: a components.runtime.ranks.RankPool that outlives this
@@ -41,7 +45,7 @@ def run_step(step: Step, kwargs: dict[str, Any], progress: Any = None, cfg_paral
 
     restarts = 0
     while True:
-        budget = _ar_budget(kwargs)
+        before = restart_from(kwargs) if restart_from is not None else None
         try:
             if pool is not None:
                 return pool.run(step, kwargs, progress)
@@ -50,38 +54,21 @@ def run_step(step: Step, kwargs: dict[str, Any], progress: Any = None, cfg_paral
         except ValueError as exc:  # more ranks than GPUs, an odd CFG-parallel size
             raise ConfigError(str(exc)) from None
         except RankFailed as exc:
-            # an AR rank ran out of memory inside a forward (the ranks cannot retry it alone) and
-            # left a smaller budget in the run: start the ranks again from it, at most a few times
-            # (a job's pool too: its ranks are gone, the rows its earlier shards committed stay)
-            smaller = _ar_budget(kwargs)
-            if smaller is None or smaller == budget or restarts >= MAX_OOM_RESTARTS:
+            # the failed ranks left the step something new to start from (the ranks cannot retry a
+            # failed forward alone): start them again from it, at most a few times (a job's pool too:
+            # its ranks are gone, the rows its earlier shards committed stay)
+            after = restart_from(kwargs) if restart_from is not None else None
+            if after is None or after == before or restarts >= MAX_RESTARTS:
                 raise
             restarts += 1
-            print(f"{exc}; starting the ranks again with at most {smaller[0]} AR row(s) in flight "
-                  f"(restart {restarts} of at most {MAX_OOM_RESTARTS})", file=sys.stderr, flush=True)
+            print(f"{exc}; starting the ranks again with {after} (restart {restarts} of at most {MAX_RESTARTS})",
+                  file=sys.stderr, flush=True)
             if pool is not None:
                 pool.restart()
 
 
 running_step: dict[str, Any] | None = None  # the kwargs of the step run_step started last (step_program reads it)
-MAX_OOM_RESTARTS = 6  # each one halves the AR batch: 64 rows in flight come down to 1
-
-
-def _ar_budget(kwargs: dict[str, Any]) -> tuple[int | None, int | None] | None:
-    """The (row cap, K/V budget) the run's AR steps keep after an OOM for this layout
-    (components/ar/budget.py), or None (none, or not a step of a run)."""
-    if "output" not in kwargs or "run_id" not in kwargs:
-        return None
-    from components.ar.budget import read_budget
-    from components.data.runs import RunLayout
-
-    try:
-        saved = read_budget(RunLayout.open(kwargs["output"], kwargs["run_id"]),
-                            int(kwargs.get("tensor_parallel_size") or 1),
-                            int(kwargs.get("pipeline_parallel_size") or 1), kwargs.get("device", "cpu"))
-    except Exception:  # noqa: BLE001 - no budget to go by: the failure stands as it is
-        return None
-    return None if saved is None else (saved.get("max_rows"), saved.get("kv_budget_bytes"))
+MAX_RESTARTS = 6  # enough for an AR budget halved from 64 rows in flight down to 1
 
 
 def rank_pool(tensor_parallel_size: int, device: str, pipeline_parallel_size: int = 1, *,

@@ -14,7 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from components.runtime.dispatch import Step, rank_pool, run_step
+from components.runtime.dispatch import RestartFrom, Step, rank_pool, run_step
+
+# One step of a shard: the step function, its keywords, and what its ranks start again from after a
+# failure (run_step's `restart_from`; None: a failure stands).
+ShardStep = tuple[Step, dict[str, Any], RestartFrom | None]
 
 
 class Replicas:
@@ -53,7 +57,7 @@ class Replicas:
             self.changed.notify_all()
 
 
-def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[Step, dict[str, Any]]]], bars: Any,
+def run_replicas(todo: list[int], shard_steps: Callable[[int], list[ShardStep]], bars: Any,
                  data_parallel_size: int, tensor_parallel_size: int, pipeline_parallel_size: int,
                  device: str) -> Replicas:
     """Run every shard of `todo` (its steps from `shard_steps`) on `data_parallel_size` replicas."""
@@ -78,8 +82,8 @@ def run_replicas(todo: list[int], shard_steps: Callable[[int], list[tuple[Step, 
                 state.pools[index] = pool
                 while (shard := state.take()) is not None:
                     steps_done = 0
-                    for step, kwargs in shard_steps(shard):
-                        run_step(step, kwargs, progress, pool=pool)
+                    for step, kwargs, restart_from in shard_steps(shard):
+                        run_step(step, kwargs, progress, pool=pool, restart_from=restart_from)
                         steps_done += 1
                     state.done(shard, index)
                 t_close = time.perf_counter()
