@@ -10,7 +10,10 @@ Rules:
 - the engine imports nothing of components outside it but the data layer (object store, images),
   errors and extras: never a step, the K/V store or the CLI;
 - in particular the engine imports nothing of the runtime (components/runtime/: rank processes,
-  step dispatch): the ranks hand the engine its ParallelContext, the engine never reaches back.
+  step dispatch): the ranks hand the engine its ParallelContext, the engine never reaches back;
+- the runtime imports no step (components.ar, .dit, .shard, .summary, .evaluate, .report): it runs
+  whatever step function it is given, and what is step-specific (an AR step's restart from its
+  halved budget) comes in with the call (run_step's `restart_from`).
 Each rule has a negative control: a planted violation in a small tree under tmp_path is found.
 
 An import of `a.b.c` counts as depending on the module `a.b.c` only, not on its parent packages,
@@ -147,6 +150,7 @@ def _write_tree(root: Path, files: dict[str, str]) -> Path:
 
 
 GRAPH = _import_graph(_modules(ROOT))
+STEPS = tuple(f"components.{step}" for step in ("ar", "dit", "shard", "summary", "evaluate", "report"))
 
 
 # -- the rules -----------------------------------------------------------------------------------
@@ -172,6 +176,11 @@ def test_engine_imports_no_step_store_or_cli() -> None:
 def test_engine_imports_nothing_of_the_runtime() -> None:
     assert GRAPH["components.runtime.dispatch"]  # the runtime's own imports were read
     assert _offenders(GRAPH, "components.engine", allowed=(), watched=("components.runtime",)) == []
+
+
+def test_the_runtime_imports_no_step() -> None:
+    assert all(step in GRAPH for step in STEPS)  # each step package was read (a renamed one is not missed)
+    assert _offenders(GRAPH, "components.runtime", allowed=(), watched=STEPS) == []
 
 
 # -- negative controls: each rule finds a planted violation --------------------------------------
@@ -238,3 +247,26 @@ def test_an_engine_import_of_the_runtime_is_found(tmp_path: Path) -> None:
     graph = _import_graph(_modules(root, ("components",)))
     assert _offenders(graph, "components.engine", allowed=(), watched=("components.runtime",)) == [
         "components.engine.parallel imports components.runtime.ranks"]
+
+
+def test_a_runtime_import_of_a_step_is_found(tmp_path: Path) -> None:
+    """A lazy import of the AR step's budget in the dispatch (where it was), and one of the DiT step
+    package itself; the runtime's own modules and the data layer are no step."""
+    root = _write_tree(tmp_path, {
+        "components/__init__.py": "",
+        "components/ar/__init__.py": "",
+        "components/ar/budget.py": "def read_budget(): ...\n",
+        "components/dit/__init__.py": "def run(): ...\n",
+        "components/data/__init__.py": "",
+        "components/data/runs.py": "class RunLayout: ...\n",
+        "components/runtime/__init__.py": "",
+        "components/runtime/ranks.py": "from components.data.runs import RunLayout\n",
+        "components/runtime/dispatch.py": ("from .ranks import RunLayout\n"
+                                           "def budget():\n    from components.ar.budget import read_budget\n"),
+        "components/runtime/replicas.py": "from components import dit\n",
+    })
+    graph = _import_graph(_modules(root, ("components",)))
+    steps = ("components.ar", "components.dit")
+    assert _offenders(graph, "components.runtime", allowed=(), watched=steps) == [
+        "components.runtime.dispatch imports components.ar.budget",
+        "components.runtime.replicas imports components.dit"]
