@@ -86,21 +86,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "kv_store": kv_store, "device": device, "dtype": args.dtype, "seed": args.seed}
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM: what a pod gets on eviction and a workflow step at its deadline. A step program
-    stops as on Ctrl-C (what is committed stays, it says how to resume), with exit code 143."""
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    import multiprocessing
-
-    # a terminal's Ctrl-C reaches the rank processes too; a SIGTERM reaches only this process, and a
-    # pod's grace period would end before the ranks finish their step: stop them now
-    for child in multiprocessing.active_children():
-        child.terminate()
-    raise Terminated()
-
-
 def _committed_so_far() -> str:
     """What the interrupted step leaves committed, in words (its shard's rows recorded so far)."""
     from components.runtime import dispatch
@@ -125,18 +110,11 @@ def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
     Ctrl-C is exit code 130, SIGTERM 143 (the rank processes stopped, what is committed said);
     anything else propagates (a traceback in the pod log, exit 1, and the orchestrator retries). Its
     stacks print on SIGUSR1 / ARDIT_STACK_DUMP_S, as the CLI's do."""
-    import signal
-    import threading
+    from components.runtime.ranks import Terminated, program_setup
 
-    from components.runtime.ranks import dump_stacks_on_signal, gpu_env_defaults, rank_timeout_s
-
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
-        gpu_env_defaults()  # before anything starts CUDA
-        dump_stacks_on_signal()
-        rank_timeout_s(0)  # a bad ARDIT_RANK_TIMEOUT_S is one line now, not a rank's error later
-        return body()
+        with program_setup():  # SIGTERM raises Terminated while the body runs
+            return body()
     except (ConfigError, ImportError) as exc:
         code = None if debug else config_error_exit(prog, exc)
         if code is None:
@@ -154,6 +132,3 @@ def step_main(prog: str, body: Callable[[], int], debug: bool = False) -> int:
         print(f"{prog}: error: {exc}; nothing of this shard was committed, run the same command again to "
               "resume", file=sys.stderr)
         return 1
-    finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)

@@ -14,9 +14,7 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import sys
-import threading
 import uuid
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -27,7 +25,7 @@ from typer.core import TyperCommand
 from components.errors import one_line
 from components.jobconfig import JobConfig
 from components.kvstore.cli import app as store_app
-from components.runtime.ranks import dump_stacks_on_signal, gpu_env_defaults, rank_timeout_s
+from components.runtime.ranks import Terminated, program_setup
 from pipeline.sweep import app as sweep_app
 from pipeline.cli_orchestration import app as orchestration_app
 
@@ -413,21 +411,6 @@ def demo(output: Output = "demo", steps: Steps = None) -> None:
 # ------------------------------------------------------------------------------- error handling
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM: what a pod gets on eviction and a workflow step at its deadline. A job stops as on
-    Ctrl-C (what is committed stays, the resume command is printed), with exit code 143."""
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    import multiprocessing
-
-    # A terminal's Ctrl-C reaches the rank processes too; a SIGTERM reaches only this process, and a
-    # pod's grace period (30 s by default) would end before the ranks finish their step: stop them now
-    for child in multiprocessing.active_children():
-        child.terminate()
-    raise Terminated()
-
-
 def _quiet_torch_warnings() -> None:
     """torch's C++ warnings stay out of the terminal unless --debug: NCCL's note on the pipeline
     stages' point-to-point links ("unbatched P2P op ... lazy initialization") came once per rank and
@@ -449,13 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     command = get_command(app)
     if not debug:
         _quiet_torch_warnings()
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
-        gpu_env_defaults()  # before anything starts CUDA
-        dump_stacks_on_signal()
-        rank_timeout_s(0)  # a bad ARDIT_RANK_TIMEOUT_S is one line now, not a rank's error later
-        rv = command.main(args=args, prog_name="ardit", standalone_mode=False)
+        with program_setup():  # SIGTERM raises Terminated while the command runs
+            rv = command.main(args=args, prog_name="ardit", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except click_errors.NoArgsIsHelpError:  # `ardit` alone: the help was printed
         return 0
@@ -482,9 +461,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ardit: error: {type(exc).__name__}: {one_line(exc)} (run again with --debug for the traceback)",
               file=sys.stderr)
         return 1
-    finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
 
 
 if __name__ == "__main__":

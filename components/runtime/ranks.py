@@ -20,13 +20,14 @@ service), unless the environment already says otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -250,6 +251,41 @@ def dump_stacks_on_signal() -> None:
     every_s = env_seconds("ARDIT_STACK_DUMP_S", 0)  # and/or every N seconds, by a watchdog thread
     if every_s > 0:
         faulthandler.dump_traceback_later(every_s, repeat=True, file=stream)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: what a pod gets on eviction and a workflow step at its deadline. A job or step
+    program stops as on Ctrl-C (what is committed stays, it says how to resume), with exit code 143."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    import multiprocessing
+
+    # A terminal's Ctrl-C reaches the rank processes too; a SIGTERM reaches only this process, and a
+    # pod's grace period (30 s by default) would end before the ranks finish their step: stop them now
+    for child in multiprocessing.active_children():
+        child.terminate()
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def program_setup() -> Iterator[None]:
+    """What the `ardit` CLI and every step program do first: SIGTERM raises Terminated (on the main
+    thread; the previous handler comes back after), the GPU environment's defaults, stacks on
+    SIGUSR1, and ARDIT_RANK_TIMEOUT_S checked (a bad one is a ConfigError now, not a rank's error later)."""
+    import signal
+    import threading
+
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
+    try:
+        gpu_env_defaults()  # before anything starts CUDA
+        dump_stacks_on_signal()
+        rank_timeout_s(0)
+        yield
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
 
 
 def _context(rank: int, world: int, device, cfg_parallel: bool, pipeline_parallel_size: int = 1):
