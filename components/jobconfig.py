@@ -14,10 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from components.errors import ConfigError
-
-# The generation settings; None takes the model's generation config (steps, guidance, sampling, ...).
-GENERATION_FIELDS = ("steps", "guidance", "flow_shift", "bot_task", "system_prompt", "max_new_tokens",
-                     "temperature", "top_k", "top_p")
+from components.generation import GENERATION_FIELDS  # the generation settings' names (keys)
 
 
 @dataclass(frozen=True)
