@@ -28,9 +28,9 @@ def run_step(step: Step, kwargs: dict[str, Any], progress: Any = None, cfg_paral
     pipeline_parallel_size P, N * P > 1 (or a CFG-parallel DiT), on N * P rank processes: every
     rank computes, rank 0 reads and writes. `pool`: a components.runtime.ranks.RankPool that outlives this
     step (a job's shards then share the ranks' engines; a data-parallel replica is one, even of one
-    rank); without one the ranks start and stop with the step. Returns rank 0's result. An AR OOM
-    inside a forward of the ranks fails them with a halved budget kept in the run: the ranks (the
-    pool's too) start again and run the step from it, at most MAX_OOM_RESTARTS times."""
+    rank); without one the ranks start and stop with the step. Returns rank 0's result. Ranks that
+    failed and changed what `restart_from` reads (an AR OOM inside a forward halves the budget kept
+    in the run) start again (the pool's too) and run the step from it, at most MAX_RESTARTS times."""
     world = int(kwargs.get("tensor_parallel_size") or 1)
     stages = int(kwargs.get("pipeline_parallel_size") or 1)
     if stages > 1:
