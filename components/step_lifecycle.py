@@ -52,8 +52,8 @@ class Step:
     def load_engine(self, model: str, weights: str | None, device: str, dtype: str | None, seed: int,
                     dummy_weights: bool, tensor_parallel_size: int, quantization: str | None,
                     pipeline_parallel_size: int) -> Any:
-        """The step's engine (steps.load_engine: this process's, when it has it loaded already), and the
-        step's measures started: its load time, GPU memory and compiles from here on, and the job's
+        """The step's engine (components.models.load_engine: this process's, when it has it loaded
+        already), and the step's measures started: its load time, GPU memory and compiles from here on, and the job's
         compile cache attached (a fresh container starts warm)."""
         from components.engine import compile_cache
         from components.engine.step_memory import StepCompiles, StepMemory

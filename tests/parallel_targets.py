@@ -95,7 +95,7 @@ def mark_at_exit(marker_dir: str, device: str, parallel) -> None:
 
 
 def engine_identity(device: str, parallel) -> int:
-    """id() of the tiny TP engine that steps.load_engine gives this rank (cached per rank)."""
+    """id() of the tiny TP engine that models.load_engine gives this rank (cached per rank)."""
     from components.models import load_engine
 
     return id(load_engine("tiny", None, device, None, tensor_parallel_size=parallel.world_size, parallel=parallel))
