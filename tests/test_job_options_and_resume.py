@@ -2,12 +2,13 @@
 
 - `--temperature 0` and `--top-k 0` reach the AR engine as 0 (greedy, top-k off), not the model's
   generation config (temperature 0.6, top-k 1024), and the run records them;
-- `--batch-invariant` is in effect in the engine while the AR step decodes;
+- `--batch-invariant` is in effect in the AR scheduler's admission while the AR step decodes (each row
+  decodes alone);
 - a resume finishes a shard that is not committed but already has recorded rows: the recorded row
   is kept as it was, the others are done, and the shard is committed.
 
-What the AR engine ran with is read at `ARGenerator.stream` (the real one runs): the kernel
-settings in effect and the sampling parameters resolved against the generation config.
+What the AR engine ran with is read at `ARGenerator.stream` (the real one runs): its admission and
+the sampling parameters resolved against the generation config.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ def job(tmp_path_factory):
     seen: list[dict] = []
     real = ARGenerator.stream
 
-    def stream(self, requests, on_result, sampling=None, *args, **kwargs):
+    def stream(self, requests, on_result, sampling=None, export_kv=True, admission=None):
         resolved = (sampling or SamplingParams()).resolved(self.generation_config)
-        seen.append({"batch_invariant": kernels.settings().batch_invariant, "temperature": resolved.temperature,
-                     "top_k": resolved.top_k, "greedy": resolved.greedy, "rows": len(requests)})
-        return real(self, requests, on_result, sampling, *args, **kwargs)
+        seen.append({"batch_invariant": admission is not None and admission.decodes_alone(),
+                     "temperature": resolved.temperature, "top_k": resolved.top_k, "greedy": resolved.greedy,
+                     "rows": len(requests)})
+        return real(self, requests, on_result, sampling, export_kv, admission)
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(ARGenerator, "stream", stream)
@@ -72,8 +74,8 @@ def test_zero_temperature_and_top_k_are_kept_not_taken_from_the_config(job):
 
 def test_batch_invariant_is_in_effect_while_the_ar_step_decodes(job):
     assert len(job["seen"]) == 2  # one AR step per shard
-    assert all(s["batch_invariant"] == "on" and s["rows"] == 2 for s in job["seen"])
-    assert kernels.settings().batch_invariant == "off"  # the step's setting did not leak into the process
+    assert all(s["batch_invariant"] is True and s["rows"] == 2 for s in job["seen"])
+    assert kernels.settings().batch_invariant == "off"  # the step's setting is its own, not the process's
     layout = RunLayout.open(job["out"], RUN)
     assert layout.read_json(layout.settings_key("ar"))["batch_invariant"] is True
 

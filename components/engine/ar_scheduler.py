@@ -14,14 +14,15 @@ rows.
   for the next waiting row.
 - Admission: a row is admitted while the pool has a free slot within the budget: `max_rows` (the
   `--batch-size` cap) and the K/V bytes (`--gpu-memory-utilization` of the GPU, less what is in use
-  after the weights load and an activation reserve). The pool's rows x capacity (the longest
+  after the weights load and an activation reserve), and while `Admission.gate` (if any) lets it in:
+  an overlapped job's AR waits there for its DiT to catch up (components/runtime/handoff.py). The pool's rows x capacity (the longest
   admitted prompt + the CoT budget, rounded up to the decode span) are sized to the budget.
 - Prefill is per row, in chunks of at most `max_num_batched_tokens` (an image block, whose tokens
   attend to each other both ways, is never split), one chunk per step between the decode steps, so
   a long edit prompt does not stall the decoding rows.
-- A row's prefill is always its own; with `kernels.settings().batch_invariant == "on"` its decode
-  steps are too (one step per row over its own slot), so its tokens and K/V are bitwise those it
-  gets alone.
+- A row's prefill is always its own; with `Admission.batch_invariant` (or the kernel setting
+  `batch_invariant=on`) its decode steps are too (one step per row over its own slot), so its tokens
+  and K/V are bitwise those it gets alone.
 - Out of memory: the failed attempt's pool, graphs and in-flight rows are dropped, the allocator's
   cache emptied, the row cap halved, and the in-flight rows start again (their seeds give the same
   tokens). A row fails only when it does not fit alone, with its size and what would fit. The
@@ -72,11 +73,13 @@ allocation_fault_hook: Callable[["ARScheduler", int], None] | None = None
 
 
 def _wait_for_device(device: torch.device) -> None:
-    """Wait for the queued GPU work. The next step's token choice reads the logits back anyway,
-    so this costs only the few host microseconds that overlapped it; it makes each phase's timing
-    (the row's `ar_prefill_s` / `ar_decode_s`, the stats) the device's time, not launch time."""
+    """Wait for the work queued on this thread's stream. The next step's token choice reads the
+    logits back anyway, so this costs only the few host microseconds that overlapped it; it makes
+    each phase's timing (the row's `ar_prefill_s` / `ar_decode_s`, the stats) the device's time, not
+    launch time. Only this stream: a DiT denoising on another stream of the same GPU (an overlapped
+    job, components/overlap/) is not waited for."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 class RowTooLarge(MemoryError):
@@ -128,6 +131,13 @@ class Admission:
     outside_allocator_bytes: int | None = None
     # after an OOM, the (row cap, K/V budget bytes) the scheduler went on with: None without one
     halved_to: tuple[int, int | None] | None = None
+    # every row decodes as its own batch of one (`--batch-invariant`): its tokens and K/V are bitwise
+    # those it gets alone. None: the kernel setting batch_invariant decides
+    batch_invariant: bool | None = None
+    # asked before a waiting row is admitted, with the rows in flight: False holds it back for now
+    # (an overlapped job's AR must not run far ahead of its DiT: components/runtime/handoff.py). It
+    # may block while no row is in flight, until it says True; it may raise to stop the AR.
+    gate: Callable[[int], bool] | None = None
 
     def at_most(self, max_rows: int | None, kv_budget_bytes: int | None) -> None:
         """Lower the row cap and K/V budget to these (None: no limit from them), e.g. to the budget
@@ -138,11 +148,18 @@ class Admission:
             self.kv_budget_bytes = kv_budget_bytes if self.kv_budget_bytes is None \
                 else min(self.kv_budget_bytes, kv_budget_bytes)
 
+    def decodes_alone(self) -> bool:
+        """Whether each row's decode steps are its own (batch invariance)."""
+        if self.batch_invariant is not None:
+            return self.batch_invariant
+        return kernels.settings().batch_invariant == "on"
+
     @classmethod
     def for_model(cls, model, batch_size: int | str = "auto", gpu_memory_utilization: float = 0.9,
-                  max_num_batched_tokens: int | None = None) -> "Admission":
+                  max_num_batched_tokens: int | None = None, reserve_bytes: int = 0) -> "Admission":
         """Measured after the weights load: the GPU's total x utilization, less the memory in use
-        (weights, other processes) and the activation reserve. On the CPU: `CPU_ROWS` rows."""
+        (weights, other processes), the activation reserve and `reserve_bytes` (what a DiT beside
+        this AR needs: an overlapped job). On the CPU: `CPU_ROWS` rows."""
         tokens = max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
         cap = None if batch_size == "auto" else int(batch_size)
         if model.device.type != "cuda":
@@ -150,7 +167,8 @@ class Admission:
         gc.collect()
         torch.cuda.empty_cache()  # blocks cached by an earlier step (a DiT in this process) are free memory
         free, total = torch.cuda.mem_get_info(model.device)
-        budget = int(total * gpu_memory_utilization) - (total - free) - activation_reserve(model, tokens)
+        budget = (int(total * gpu_memory_utilization) - (total - free) - activation_reserve(model, tokens)
+                  - reserve_bytes)
         outside = (total - free) - torch.cuda.memory_reserved(model.device)
         parallel = getattr(model, "parallel", None)
         if parallel is not None:  # every rank admits alike, within the fullest rank's memory
@@ -329,7 +347,8 @@ class ARScheduler:
         # kernel setting stage_row_groups=off: one group, each forward through the stages in turn,
         # the schedule before row groups; benchmarks/ar_row_groups_cpu.py compares them)
         settings = kernels.settings()
-        group_count = 1 if self.model.pipeline is None or settings.batch_invariant == "on" \
+        self.alone = admission.decodes_alone()
+        group_count = 1 if self.model.pipeline is None or self.alone \
             or settings.stage_row_groups == "off" else self.model.pipeline.pp_size
         self.policy = BatchPolicy(admission.max_rows, admission.kv_budget_bytes, kv_bytes_per_token(self.model),
                                   sampling.max_new_tokens + CLOSING_MARGIN, group_count)
@@ -407,6 +426,10 @@ class ARScheduler:
                 return  # a row retried alone waits for an empty batch
             if any(s.solo for s in self.slots.values()):
                 return
+            if self.admission.gate is not None and not self.admission.gate(len(self.slots)):
+                if not self.slots:  # a gate that does not block: do not spin
+                    time.sleep(0.005)
+                return  # held back: the rows downstream catch up first
             if seq.row is None and not self._prepare(seq):
                 continue
             capacity = self.policy.capacity_for(seq.need)
@@ -638,7 +661,7 @@ class ARScheduler:
             self.stats.capture_s += dt
         self.stats.decode_steps += 1
         self.stats.decode_row_steps += len(feed)
-        shared = 1 if kernels.settings().batch_invariant == "on" else len(feed)  # rows of each row's step
+        shared = 1 if self.alone else len(feed)  # rows of each row's step
         for slot in feed:
             seq = self.slots[slot]
             seq.steps += 1
@@ -648,7 +671,7 @@ class ARScheduler:
     def _step(self, feed: dict[int, int], lo: int, hi: int) -> None:
         """Start one decode step of the group of rows [lo, hi): each fed row writes its token's K/V
         at its next slot; the logits land with `_land`."""
-        if kernels.settings().batch_invariant == "on":  # every row alone: its numbers see no other row
+        if self.alone:  # every row alone: its numbers see no other row
             for slot, token in feed.items():
                 self.logits[slot] = self.decoder.step([token], [self.slots[slot].length], lo=slot)[0]
                 self.slots[slot].length += 1

@@ -29,6 +29,7 @@ import os
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,7 @@ class _locked:
 
 
 _attached: dict[tuple[str, str], CompileCache] = {}
+_attaching = threading.Lock()  # an overlapped job's AR and DiT steps attach from two threads at once
 
 
 def attach(output: str, engine: Any, log: bool = True) -> CompileCache | None:
@@ -186,6 +188,11 @@ def attach(output: str, engine: Any, log: bool = True) -> CompileCache | None:
     root = output if setting == "auto" else setting
     fp, rank = fingerprint(engine), rank_name(engine)
     key = f"{PREFIX}/{fp}/{rank}.tar"
+    with _attaching:
+        return _attach_once(root, key, fp, rank, setting, log)
+
+
+def _attach_once(root: str, key: str, fp: str, rank: str, setting: str, log: bool) -> CompileCache | None:
     if (root, key) not in _attached:
         from components.data.objectstore import open_object_store
 

@@ -308,9 +308,9 @@ class StaticDecoder:
             tp = tp if tp is not None and tp.world_size > 1 else None
             error = None
             try:
-                # thread-local capture with NCCL (stages, TP): its watchdog thread polls events meanwhile
-                mode = "global" if self.stages is None and tp is None else "thread_local"
-                entry = self.capture(fn, self.pool, mode)
+                # thread-local capture: other threads go on meanwhile (NCCL's watchdog polling its
+                # events under stages or TP; an overlapped job's DiT on its own stream; K/V puts)
+                entry = self.capture(fn, self.pool, "thread_local")
             except RuntimeError as e:  # an op that syncs with the host cannot be captured
                 if not is_kernel_failure(e):
                     raise  # out of memory, a lost rank: not the graph's failure
@@ -331,7 +331,7 @@ class StaticDecoder:
         return out
 
     @staticmethod
-    def capture(fn, pool=None, mode: str = "global") -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture(fn, pool=None, mode: str = "thread_local") -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """A CUDA graph of fn() (an idempotent static step) and its output buffer."""
         # warm up on a side stream first: lazy initialisations (cuBLAS handles, workspaces) must
         # not happen during capture. The step is idempotent (same K/V at the same slot), so the
