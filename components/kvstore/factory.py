@@ -9,7 +9,11 @@ from components.kvstore.base import KVStore, parse_query
 
 def open_store(url: str | None = None) -> KVStore:
     """`local:///dir[?ttl=24h&min_free=4G]` or a plain path -> LocalStore;
-    `mooncake://HOST:PORT?...` -> MooncakeStore."""
+    `mooncake://HOST:PORT?...` -> MooncakeStore; `memory://NAME` -> this process's MemoryStore."""
+    if url and url.startswith("memory://"):
+        from components.kvstore.memory import open_memory_store
+
+        return open_memory_store(url)
     path = local_path(url)
     if path is None:
         from components.kvstore.mooncake import MooncakeStore  # lazy: needs the mooncake wheel
@@ -21,11 +25,11 @@ def open_store(url: str | None = None) -> KVStore:
 
 
 def local_path(url: str | None) -> str | None:
-    """The directory of an embedded (local) store URL, None for a mooncake:// URL; ValueError for
+    """The directory of an embedded (local) store URL, None for a mooncake:// or memory:// URL; ValueError for
     anything else. Opens nothing (the preflight checks a URL with it before any import of the engine)."""
     if not url:
         raise ValueError("store url is empty (use local:///path or mooncake://host:port?metadata=...)")
-    if url.startswith("mooncake://"):
+    if url.startswith("mooncake://") or url.startswith("memory://"):
         return None
     if url.startswith("local://"):
         u, q = parse_query(url)
@@ -35,7 +39,7 @@ def local_path(url: str | None) -> str | None:
         local_options(url)  # a bad duration or size is caught here too
         return unquote(u.netloc + u.path)
     if "://" in url:
-        raise ValueError(f"store url {url!r}: unknown scheme (use local:// or mooncake://)")
+        raise ValueError(f"store url {url!r}: unknown scheme (use local://, mooncake:// or memory://)")
     return url
 
 
