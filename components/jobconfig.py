@@ -55,8 +55,10 @@ class JobConfig:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
     batch_invariant: bool = False
+    # AR and DiT of a shard at once on one model copy: auto (on a GPU, one rank a copy) | on | off
+    overlap: str = "auto"
     # storage and outputs
-    kv_store: str | None = None  # None: a local directory beside the outputs
+    kv_store: str | None = None  # None: kept in the memory of the model copy's process (memory://RUN)
     kv_reuse: bool = True
     save_latents: bool = False
     ar_from_run: str | None = None  # take the AR outputs of this run of the same output root

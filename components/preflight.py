@@ -130,9 +130,12 @@ def check_kv_url(url: str) -> None:
     """The KV store URL parses, and the embedded store's directory can be created (cheap: its
     servers, if any, are asked by check_kv_store)."""
     from components.kvstore.factory import local_path
+    from components.kvstore.memory import parse_memory_url
 
     try:
         path = local_path(url)
+        if url.startswith("memory://"):
+            parse_memory_url(url)
     except ValueError as exc:
         raise ConfigError(f"--kv-store: {exc}") from None
     if path is not None:
@@ -172,6 +175,18 @@ def check_kv_store(url: str) -> None:
         hint = ("start one with `ardit store up` (it prints the URL), or leave --kv-store out for the "
                 "embedded store" if url.startswith("mooncake://") else "check the path")
         raise ConfigError(f"--kv-store {url}: {health.detail}; {hint}")
+
+
+OVERLAP = ("auto", "on", "off")
+
+
+def check_overlap(overlap: str, ranks: int) -> None:
+    """--overlap is one of OVERLAP, and `on` only where a model copy is one process (tp x pp = 1)."""
+    if overlap not in OVERLAP:
+        raise ConfigError(f"--overlap {overlap!r}: use one of {', '.join(OVERLAP)}")
+    if overlap == "on" and ranks > 1:
+        raise ConfigError(f"--overlap on: a model copy of {ranks} ranks (--tp x --pp) runs its AR and DiT steps in "
+                          "turn (their collectives would interleave); use --overlap auto or off")
 
 
 def check_parallel_options(pipeline_parallel_size: int, data_parallel_size: int | None) -> None:
@@ -275,7 +290,7 @@ def check_job(config: JobConfig) -> dict[str, Any]:
     from components.generation import resolve_generation
     from components.models import model_validators
     from components.options import KINDS, check_bench_cot, check_engine_options
-    from components.run_kv import default_kv_store
+    from components.run_kv import job_kv_store
     from components.runtime.layout import check_pipeline_stages, check_tensor_parallel
     from components.shard.run import check_existing, shard_identity
 
@@ -289,6 +304,7 @@ def check_job(config: JobConfig) -> dict[str, Any]:
                          batch_size=config.batch_size, device=device, step_cache=config.step_cache,
                          pipeline_parallel_size=config.pipeline_parallel_size)
     check_parallel_options(config.pipeline_parallel_size, config.data_parallel_size)
+    check_overlap(config.overlap, config.tensor_parallel_size * config.pipeline_parallel_size)
     try:
         layout = RunLayout.open(config.output, config.run_id)  # checks the run id; touches no storage yet
     except ConfigError:
@@ -305,7 +321,7 @@ def check_job(config: JobConfig) -> dict[str, Any]:
                           f"{source.num_rows} shard(s) (or auto)")
     check_output(config.output)
     kv_url = (None if not config.kv_reuse or config.ar_from_run else
-              config.kv_store or default_kv_store(config.output, config.run_id))
+              job_kv_store(config.output, config.run_id, config.kv_store))
     if kv_url is not None:
         check_kv_url(kv_url)
     check_cuda_present(device)

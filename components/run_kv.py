@@ -19,6 +19,13 @@ def default_kv_store(output: str, run_id: str) -> str:
     return "local://" + os.path.abspath(os.path.join(root, run_id, "_kv"))
 
 
+def job_kv_store(output: str, run_id: str, kv_store: str | None) -> str:
+    """A local job's K/V store: the one asked for, else the memory of the process that runs a
+    shard's AR and DiT steps (every local job runs both in the same model copy's process: the K/V
+    never becomes bytes or files). The step programs of a cluster default to default_kv_store."""
+    return kv_store or f"memory://{run_id}"
+
+
 def expire_other_runs_kv(output: str, run_id: str, ttl_s: float) -> int:
     """Expire the K/V older than `ttl_s` in the embedded stores of the other runs beside this one
     (`<output>/<run>/_kv`, or the temp dir's `ardit-kv/<run>` for s3:// outputs): a killed run that

@@ -64,8 +64,8 @@ Shards = Annotated[str, typer.Option("--num-shards", help="shards to split the d
 Seed = Annotated[int, typer.Option("--seed", help="base seed for rows without their own `seed` column",
                                    rich_help_panel=DATA)]
 KVStore = Annotated[Optional[str], typer.Option(
-    "--kv-store", help="mooncake://host:port?metadata=... (see `ardit store up`); default: a local directory "
-    "beside the outputs", rich_help_panel=STORAGE)]
+    "--kv-store", help="mooncake://host:port?metadata=... (see `ardit store up`) or local:///dir; default: kept in "
+    "the memory of each model copy's process", rich_help_panel=STORAGE)]
 NoKVReuse = Annotated[bool, typer.Option(
     "--no-kv-reuse", help="recompute the prompt K/V in the DiT step instead of taking the AR step's",
     rich_help_panel=STORAGE)]
@@ -128,6 +128,9 @@ GpuMemoryUtilization = Annotated[float, typer.Option(
 MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(
     "--max-num-batched-tokens", help="AR prompt tokens prefilled per step, between decode steps (default 2048)",
     rich_help_panel=SCHEDULING)]
+Overlap = Annotated[str, typer.Option(
+    "--overlap", help="run a shard's AR and DiT steps at once on each model copy, the K/V handed over in memory: "
+    "auto (on for one GPU a copy) | on | off", rich_help_panel=SCHEDULING)]
 BatchInvariant = Annotated[bool, typer.Option(
     "--batch-invariant", help="each row's AR computed alone: its CoT, K/V and image are bitwise independent of "
     "its batch and shard (slower AR decode)", rich_help_panel=SCHEDULING)]
@@ -227,6 +230,7 @@ def _print_failed_rows(summary: dict) -> None:
 TIME_PARTS = {"load": "model loads", "ar": "AR: prefill + decode", "kv": "K/V handoff: put + get",
               "dit": "DiT: denoising + VAE decode", "other": "other: sharding, images, writes, commits"}
 KV_PATHS = {"reuse": "taken from the AR step", "recompute": "recomputed by the DiT step"}
+KV_STORES = {"memory": "in memory", "local": "through a local directory", "mooncake": "through Mooncake"}
 
 
 def _seconds(value: float | None) -> str:
@@ -255,7 +259,10 @@ def _print_summary(summary: dict, output: str, run_id: str) -> None:
     if summary.get("images_per_minute") is not None:
         facts.add_row("throughput", f"{summary['images_per_minute']:.3g} images/min over {_seconds(wall)} "
                                     "(the shards' creation to the last commit)")
-    kv = ", ".join(f"{n} {KV_PATHS.get(path, path)}" for path, n in (summary.get("kv_paths") or {}).items())
+    stores = summary.get("kv_stores") or {}
+    via = f" ({', '.join(KV_STORES.get(name, name) for name in stores)})" if stores else ""
+    kv = ", ".join(f"{n} {KV_PATHS.get(path, path)}{via if path == 'reuse' else ''}"
+                   for path, n in (summary.get("kv_paths") or {}).items())
     if summary.get("kv_wait_fraction"):
         kv += f"; the DiT waited for K/V {summary['kv_wait_fraction']:.1%} of its time"
     if kv:
@@ -271,7 +278,10 @@ def _print_summary(summary: dict, output: str, run_id: str) -> None:
     console.print(facts)
 
     split = summary.get("time_split_s") or {}
-    table = Table(title="where the time went", title_justify="left", show_edge=False, pad_edge=False)
+    title = "where the time went"
+    if summary.get("shards_overlapped"):  # each copy's AR and DiT at once: their seconds overlap
+        title += " (AR and DiT ran at once: their parts add up to more than the wall time)"
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("")
     if replicas:  # each replica's own clock: their steps overlap, so one sum would exceed the wall time
         for name in replicas:
@@ -338,7 +348,7 @@ def _job_command(kind: str):
         temperature: Temperature = None, top_k: TopK = None, top_p: TopP = None, greedy: Greedy = False,
         batch_size: BatchSize = "auto", gpu_memory_utilization: GpuMemoryUtilization = 0.9,
         max_num_batched_tokens: MaxNumBatchedTokens = None, batch_invariant: BatchInvariant = False,
-        kv_store: KVStore = None, no_kv_reuse: NoKVReuse = False,
+        overlap: Overlap = "auto", kv_store: KVStore = None, no_kv_reuse: NoKVReuse = False,
     ) -> None:
         from components.options import auto_or_int
 
@@ -355,7 +365,8 @@ def _job_command(kind: str):
             flow_shift=flow_shift, bot_task=bot_task, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, kv_reuse=not no_kv_reuse, seed=seed,
             batch_size=auto_or_int(batch_size), step_cache=step_cache, batch_invariant=batch_invariant,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens))
+            overlap=overlap, gpu_memory_utilization=gpu_memory_utilization,
+            max_num_batched_tokens=max_num_batched_tokens))
 
     return command
 

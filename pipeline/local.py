@@ -21,20 +21,20 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from components.ar.budget import kept_budget
 from components.ar.run import run as ar_run
 from components.dit.run import run as dit_run
+from components.overlap.run import run as overlap_run
 
-if TYPE_CHECKING:
-    from components.jobconfig import JobConfig
+from components.jobconfig import JobConfig
 
 # The step functions a shard runs (module-level functions: rank processes receive them by reference).
-STEP_TARGETS = {"ar": ar_run, "dit": dit_run}
+STEP_TARGETS = {"ar": ar_run, "dit": dit_run, "overlap": overlap_run}
 # What a step's ranks start again from after they failed (run_step's `restart_from`): the AR step's
 # budget, halved by an OOM inside a forward. A DiT failure stands.
-RESTART_FROM = {"ar": kept_budget, "dit": None}
+RESTART_FROM = {"ar": kept_budget, "dit": None, "overlap": kept_budget}
 
 
 class ReplicasFailed(RuntimeError):
@@ -55,6 +55,7 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
     components.progress.make_progress)."""
     from components.options import check_engine_options, quantization_option
     from components.preflight import check_job
+    from components.run_kv import job_kv_store
     from components.progress import make_progress
     from components.runtime.replicas import ShardStep, run_replicas
     from components.shard.run import run as run_shard
@@ -86,20 +87,25 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
         _copy_ar_outputs(config.output, config.ar_from_run, config.run_id, manifest["num_shards"])
     engine = dict(model=config.model, weights=config.weights, dummy_weights=config.dummy_weights,
                   tensor_parallel_size=config.tensor_parallel_size, quantization=config.quantization,
-                  kv_store=config.kv_store, device=plan["device"], dtype=config.dtype, seed=config.seed)
+                  kv_store=job_kv_store(config.output, config.run_id, config.kv_store), device=plan["device"],
+                  dtype=config.dtype, seed=config.seed)
     if config.pipeline_parallel_size != 1:
         engine["pipeline_parallel_size"] = config.pipeline_parallel_size
+    overlap = overlaps(config, plan["device"])
 
     def shard_steps(shard: int) -> list[ShardStep]:
-        ar = dict(output=config.output, run_id=config.run_id, shard=shard, batch_size=config.batch_size,
-                  export_kv=config.kv_reuse, batch_invariant=config.batch_invariant,
+        where = dict(output=config.output, run_id=config.run_id, shard=shard)
+        ar = dict(batch_size=config.batch_size, export_kv=config.kv_reuse, batch_invariant=config.batch_invariant,
                   gpu_memory_utilization=config.gpu_memory_utilization,
-                  max_num_batched_tokens=config.max_num_batched_tokens, **{k: gen[k] for k in AR_GENERATION},
-                  **engine)
-        dit = dict(output=config.output, run_id=config.run_id, shard=shard, steps=gen["steps"],
-                   guidance=gen["guidance"], flow_shift=gen["flow_shift"], kv_reuse=config.kv_reuse,
-                   save_latents=config.save_latents, step_cache=config.step_cache, **engine)
-        steps = {"dit": dit} if config.ar_from_run else {"ar": ar, "dit": dit}
+                  max_num_batched_tokens=config.max_num_batched_tokens, **{k: gen[k] for k in AR_GENERATION})
+        dit = dict(steps=gen["steps"], guidance=gen["guidance"], flow_shift=gen["flow_shift"],
+                   kv_reuse=config.kv_reuse, save_latents=config.save_latents, step_cache=config.step_cache)
+        if config.ar_from_run:
+            steps = {"dit": {**where, **dit, **engine}}
+        elif overlap:  # one step: the shard's AR and DiT at once on the copy's engine
+            steps = {"overlap": {**where, "ar": ar, "dit": dit, **engine}}
+        else:
+            steps = {"ar": {**where, **ar, **engine}, "dit": {**where, **dit, **engine}}
         return [(STEP_TARGETS[name], kwargs, RESTART_FROM[name]) for name, kwargs in steps.items()]
 
     todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
@@ -130,6 +136,16 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
 
 
 AR_GENERATION = ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k", "top_p")
+
+
+def overlaps(config: JobConfig, device: str) -> bool:
+    """Whether the job runs each shard's AR and DiT steps at once (components/overlap/run.py):
+    `--overlap on`, or `auto` on a GPU where a model copy is one process (tp x pp = 1). A DiT that
+    takes another run's AR outputs has no AR beside it."""
+    one_rank = config.tensor_parallel_size * config.pipeline_parallel_size == 1
+    if config.ar_from_run or not one_rank or config.overlap == "off":
+        return False
+    return config.overlap == "on" or device.startswith("cuda")
 
 
 def process_age_s() -> float | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from components.data.ar_outputs import read_ar_rows, write_ar_rows
 from components.data.runs import RunLayout
 from components.generation import AR_SETTINGS, resolve_generation
 from components.kvstore.base import delete_quietly
+from components.kvstore.memory import MemoryStore
 from components.options import check_bench_cot, check_engine_options
 from components.run_kv import default_kv_store, expire_other_runs_kv, kv_key, open_kv_store
 from components.step_lifecycle import begin_step
@@ -59,17 +61,19 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int = 0,
         device: str = "cpu", dtype: str | None = None, export_kv: bool = True, batch_invariant: bool = False,
         gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
-        progress: Any = None, parallel: Any = None, pipeline_parallel_size: int = 1) -> dict[str, Any]:
+        progress: Any = None, parallel: Any = None, pipeline_parallel_size: int = 1,
+        handoff: Any = None) -> dict[str, Any]:
     """Run the AR step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
     tensor-parallel launcher (components.runtime.ranks), None in one process. `batch_invariant`: each row
     runs as its own batch, so its CoT and K/V do not depend on the other rows of its batch or shard
-    (the kernel setting batch_invariant=on, for this step only). `batch_size`: "auto" (rows in
+    (Admission.batch_invariant: this step only). `batch_size`: "auto" (rows in
     flight sized to `gpu_memory_utilization` of the GPU) or a hard cap; `max_num_batched_tokens`:
-    the prefill chunk (engine/ar_scheduler.py)."""
+    the prefill chunk (engine/ar_scheduler.py). `handoff` (an overlapped job: a
+    components.runtime.handoff.Handoff): every row also goes to the shard's DiT step as soon as it
+    is finished (with its K/V stored), and the scheduler admits rows only as the DiT keeps up."""
     from components.engine import SamplingParams, kernels
-    from components.engine.ar_scheduler import Admission
 
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          seed=seed, batch_size=batch_size, device=device,
@@ -83,6 +87,10 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                       parallel, progress)
     pending, skipped = _pending_rows(step.layout, shard)
     if skipped:
+        if handoff is not None:  # the DiT takes every row it denoises from the handoff
+            kept = read_ar_rows(step.layout, shard)
+            for job in pending:
+                handoff.put(kept[job.id])
         return step.skip(skipped)
 
     engine = step.load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size,
@@ -93,13 +101,13 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     task = step.progress.add_task(step.label, len(pending))
     puts = _BackgroundPuts(store, engine)
     puts.expire_orphans(other_runs=(output, run_id) if kv_store is None and step.owner else None)
-    previous_kernels = kernels.configure(batch_invariant="on" if batch_invariant else "off")
     fallbacks_before = kernels.fallbacks()
-    results = _Results(run_id, shard, store, puts, step.progress, task)
+    results = _Results(run_id, shard, store, puts, step.progress, task, handoff)
     budget = _Budget(step.layout, shard, tensor_parallel_size, pipeline_parallel_size, device)
     try:
         requests = _requests(pending, gen, seed, results)
-        admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens)
+        admission = _admission(engine, batch_size, gpu_memory_utilization, max_num_batched_tokens, batch_invariant,
+                               handoff)
         from_run = budget.start(admission, parallel)  # after an OOM in an earlier step: the budget that worked
         stats = _stream(engine, requests, results, sampling, export_kv, admission, budget, step.owner, forced_cot)
         puts.wait()
@@ -109,10 +117,12 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
             write_ar_rows(step.layout, shard, rows)
         step.write_timing(scheduler={k: stats[k] for k in SCHEDULER_RECORD}, **usage, budget_from_run=from_run)
     except BaseException:
-        puts.abandon()  # on the way out: payloads nobody will read are deleted now
+        if handoff is None:
+            puts.abandon()  # on the way out: payloads nobody will read are deleted now
+        else:
+            puts.wait()  # the rows handed over are the DiT's to read and delete (components/overlap)
         raise
     finally:
-        kernels.configure(previous_kernels)
         if store is not None:
             store.close()
     step.persist_compiles()
@@ -132,6 +142,23 @@ def _pending_rows(layout: RunLayout, shard: int) -> tuple[list[Any], str | None]
     if pending and {j.id for j in pending} <= settled:
         return pending, "ar.parquet covers all pending rows"
     return pending, None
+
+
+def _admission(engine: Any, batch_size: int | str, gpu_memory_utilization: float,
+               max_num_batched_tokens: int | None, batch_invariant: bool, handoff: Any) -> Any:
+    """How many rows the scheduler keeps in flight (engine/ar_scheduler.py Admission): sized to the
+    GPU; with a handoff, also leaving the DiT beside it its memory, at most its lead ahead of it
+    and admitted through its gate."""
+    from components.engine.ar_scheduler import Admission
+
+    reserve = handoff.reserve_bytes if handoff is not None else 0
+    admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens,
+                                    reserve_bytes=reserve)
+    admission.batch_invariant = batch_invariant
+    if handoff is not None:
+        admission.gate = handoff.admit
+        admission.at_most(handoff.lead_rows, None)
+    return admission
 
 
 def _requests(pending: list[Any], gen: dict[str, Any], seed: int, results: _Results) -> list[Any]:
@@ -192,17 +219,25 @@ class _Results:
     """The step's rows as they finish (or fail), each counted on the progress display; an ok row's
     prompt KV goes to the background puts while the other rows decode on."""
 
-    def __init__(self, run_id: str, shard: int, store: Any, puts: _BackgroundPuts, progress: Any, task: Any):
+    def __init__(self, run_id: str, shard: int, store: Any, puts: _BackgroundPuts, progress: Any, task: Any,
+                 handoff: Any = None):
         from components.engine import kernels
 
         self.run_id, self.shard, self.store, self.puts = run_id, shard, store, puts
-        self.progress, self.task = progress, task
+        self.progress, self.task, self.handoff = progress, task, handoff
         self.rows: list[dict[str, Any]] = []
         self.row_fallbacks = kernels.FallbacksSince()  # the next ok row carries the fallbacks since the last one
 
     def error(self, row_id: str, error: str, kind: str) -> None:
-        self.rows.append(_error_row(row_id, error, kind))
+        row = _error_row(row_id, error, kind)
+        self.rows.append(row)
         self.progress.advance(self.task, 1)
+        self._hand_over(row)
+
+    def _hand_over(self, row: dict[str, Any]) -> None:
+        """The row is finished, its K/V stored when it has some: to the shard's DiT, if it waits."""
+        if self.handoff is not None:
+            self.handoff.put(row)
 
     def on_result(self, request: Any, result: Any) -> None:
         """The scheduler's callback: a row finished (or failed)."""
@@ -216,7 +251,10 @@ class _Results:
         row["kernel_fallbacks"] = self.row_fallbacks.take()
         self.rows.append(row)
         if self.store is not None and result.prompt_kv is not None:
-            self.puts.add(row, self.run_id, self.shard, result.prompt_kv)
+            self.puts.add(row, self.run_id, self.shard, result.prompt_kv,
+                          done=self._hand_over if self.handoff is not None else None)
+        else:
+            self._hand_over(row)
         result.prompt_kv = None  # the put holds the only reference now
         self.progress.advance(self.task, 1)
 
@@ -274,15 +312,30 @@ class _BackgroundPuts:
                     pass
             self.pool.submit(expire)
 
-    def add(self, row: dict[str, Any], run_id: str, shard: int, kv: Any) -> None:
+    def add(self, row: dict[str, Any], run_id: str, shard: int, kv: Any,
+            done: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Put the row's K/V; `done(row)` once it is stored (or failed), its kv_* fields filled in.
+        The in-memory store takes it here on the AR's thread and stream (a reference, or one copy
+        to host memory queued behind the export); the other stores on the put thread."""
         try:
             key = kv_key(run_id, shard, row["id"])
         except ValueError as e:  # e.g. a run id + row key over the store's key length
             row["kv_error"] = f"no KV key for this row: {e}"
+            if done is not None:
+                done(row)
             return
+        if isinstance(self.store, MemoryStore):
+            self._record(row, key, *self._put(key, kv))
+            if done is not None:
+                done(row)
+            return
+        _wait_for_export(kv)  # the put thread reads the tensors on a stream of its own
         while len(self.in_flight) >= self.max_in_flight:
             self._collect(*self.in_flight.pop(0))
-        self.in_flight.append((row, key, self.pool.submit(self._put, key, kv)))
+        fut = self.pool.submit(self._put, key, kv)
+        if done is not None:
+            fut.add_done_callback(lambda f: (self._record(row, key, *f.result()), done(row)))
+        self.in_flight.append((row, key, fut))
 
     def _put(self, key: str, kv: Any) -> tuple[int | None, float, str | None]:
         from components.kvparts import put_heads
@@ -301,8 +354,12 @@ class _BackgroundPuts:
 
     def _collect(self, row: dict[str, Any], key: str, fut: Future) -> None:
         t0 = time.perf_counter()
-        size, put_s, error = fut.result()
+        result = fut.result()
         self.waited_s += time.perf_counter() - t0
+        self._record(row, key, *result)
+
+    @staticmethod
+    def _record(row: dict[str, Any], key: str, size: int | None, put_s: float, error: str | None) -> None:
         row["kv_put_s"] = put_s
         if error is None:
             row["kv_key"], row["kv_bytes"] = key, size
@@ -325,6 +382,15 @@ class _BackgroundPuts:
         if failed:
             print(f"ar: could not delete {len(failed)} KV payload(s) of this failed step (they expire with the "
                   f"store's TTL, or run `ardit store clean URL --run RUN`)", file=sys.stderr)
+
+
+def _wait_for_export(kv: Any) -> None:
+    """The export's copies done, before another thread reads the tensors: the AR may run on a CUDA
+    stream of its own (an overlapped job), which the put thread's stream does not follow."""
+    if kv.keys and kv.keys[0].is_cuda:
+        import torch
+
+        torch.cuda.current_stream(kv.keys[0].device).synchronize()
 
 
 def _ok_row(out) -> dict[str, Any]:

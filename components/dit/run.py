@@ -52,11 +52,13 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         flow_shift: float | None = None, seed: int = 0, kv_reuse: bool = True, save_latents: bool = False,
         device: str = "cpu", dtype: str | None = None, progress: Any = None, prefetch: bool = True,
         step_cache: float = 0.0, parallel: Any = None,
-        pipeline_parallel_size: int = 1) -> dict[str, Any]:
+        pipeline_parallel_size: int = 1, handoff: Any = None) -> dict[str, Any]:
     """Run the DiT step of one shard. Generation settings left None come from the model's
     generation config. Raises ConfigError (before any work) for a bad option or settings that
     differ from those the run started with. `parallel`: this rank's ParallelContext under the
-    tensor-parallel launcher (components.runtime.ranks), None in one process."""
+    tensor-parallel launcher (components.runtime.ranks), None in one process. `handoff` (an
+    overlapped job: a components.runtime.handoff.Handoff): the rows come from the shard's AR step
+    as it finishes them, in that order, instead of from its ar.parquet."""
     check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          seed=seed, device=device, step_cache=step_cache,
                          pipeline_parallel_size=pipeline_parallel_size)
@@ -68,7 +70,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         return step.skip("committed")
     writer = step.layout.shard_writer(shard)
     pending = writer.pending()
-    ar_rows = read_ar_rows(step.layout, shard)
+    ar_rows = read_ar_rows(step.layout, shard) if handoff is None else {}
     engine = step.load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size,
                               quantization, pipeline_parallel_size)
     store = open_kv_store(kv_store or default_kv_store(output, run_id))
@@ -80,12 +82,18 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
 
     fallbacks_before = kernels.fallbacks()
     try:
-        transient = _denoise_pending(engine, pending, ar_rows, kv_io, out_io, step.progress, task, run_id=run_id,
-                                     shard=shard, gen=gen, seed=seed, step_cache=step_cache, prefetch=prefetch)
+        settings = dict(run_id=run_id, shard=shard, gen=gen, seed=seed, step_cache=step_cache)
+        if handoff is None:
+            transient = _denoise_pending(engine, pending, ar_rows, kv_io, out_io, step.progress, task,
+                                         prefetch=prefetch, **settings)
+        else:
+            transient = _denoise_handed_over(engine, pending, handoff, kv_io, out_io, step.progress, task, **settings)
         out_io.drain()
         if transient:
             raise _transient_rows_error(shard, transient)
-        step.write_timing(**step.usage(), group_fallbacks=out_io.group_fallbacks)  # usage: every rank, the worst's
+        overlap = {"handoff": handoff.stats()} if handoff is not None else {}
+        # usage: every rank, the worst's
+        step.write_timing(**step.usage(), group_fallbacks=out_io.group_fallbacks, **overlap)
         t_rows_done = time.perf_counter()  # the step's work after its last row: said when it is long
         marker = writer.commit() if step.owner else {}
         t_committed = time.perf_counter()
@@ -130,23 +138,60 @@ def _denoise_pending(engine: Any, pending: list[Any], ar_rows: dict[str, dict[st
             fetch(i)
             if prefetch:
                 fetch(i + group_size)  # the next group's KV travels while this one denoises
-            ar_row = ar_rows.get(job.id)
-            key = kv_key(run_id, shard, job.id)
-            if ar_row is not None and ar_row["status"] != "ok" and ar_row.get("error_kind") == "transient":
-                fetches.pop(i).result()
-                transient.append((job.id, ar_row["error"]))
-            elif ar_row is None or ar_row["status"] != "ok":
-                fetches.pop(i).result()
-                out_io.error(job.id, ar_row["error"] if ar_row else
-                             "no AR output for this row (AR step not run or failed)", key)
-            else:
-                t0 = time.perf_counter()
-                kv, absent_reason, get_s = kv_io.result(fetches.pop(i))
-                group.append(_DiTRow(job, ar_row, key, kv, absent_reason, get_s, time.perf_counter() - t0))
+            row = _ready_row(job, ar_rows.get(job.id), kv_key(run_id, shard, job.id), fetches.pop(i), kv_io, out_io,
+                             transient)
+            if row is not None:
+                group.append(row)
         _denoise_rows(engine, out_io, group, gen=gen, seed=seed, step_cache=step_cache)
         out_io.check()
         progress.advance(task, min(group_size, len(pending) - start))
     return transient
+
+
+def _denoise_handed_over(engine: Any, pending: list[Any], handoff: Any, kv_io: _KVReader, out_io: _RowWriter,
+                         progress: Any, task: Any, *, run_id: str, shard: int, gen: dict[str, Any], seed: int,
+                         step_cache: float) -> list[tuple[str, str]]:
+    """Denoise and write the pending rows in the order the shard's AR step finishes them (an
+    overlapped job: components/overlap/run.py), one at a time, each row's KV fetched as it arrives
+    (from the copy's in-memory store: a reference, or one copy from host memory). When the AR
+    stopped early, its error is raised once the rows it handed over are written: the rest stay
+    unrecorded, for a resume."""
+    waiting = {job.id: job for job in pending}
+    transient: list[tuple[str, str]] = []
+    while (ar_row := handoff.take()) is not None:
+        job = waiting.pop(ar_row["id"], None)
+        if job is None:
+            continue  # not pending here: recorded by an earlier attempt
+        key = kv_key(run_id, shard, job.id)
+        row = _ready_row(job, ar_row, key, kv_io.fetch(key, ar_row), kv_io, out_io, transient)
+        _denoise_rows(engine, out_io, [row] if row is not None else [], gen=gen, seed=seed, step_cache=step_cache)
+        out_io.check()
+        progress.advance(task, 1)
+    if handoff.error is not None:
+        out_io.drain()
+        raise handoff.error
+    if waiting:  # the AR step ended without a word on them: a resume runs them again
+        transient += [(row_id, "the AR step handed over no result for this row") for row_id in waiting]
+    return transient
+
+
+def _ready_row(job: Any, ar_row: dict[str, Any] | None, key: str, fetch: Future, kv_io: _KVReader,
+               out_io: _RowWriter, transient: list[tuple[str, str]]) -> _DiTRow | None:
+    """The row with its AR output and KV (fetched or why not) to denoise; or None when the AR step
+    failed it: for good (an error row now) or for a passing reason (left for a resume, in
+    `transient`)."""
+    if ar_row is not None and ar_row["status"] != "ok" and ar_row.get("error_kind") == "transient":
+        fetch.result()
+        transient.append((job.id, ar_row["error"]))
+        return None
+    if ar_row is None or ar_row["status"] != "ok":
+        fetch.result()
+        out_io.error(job.id, ar_row["error"] if ar_row else "no AR output for this row (AR step not run or failed)",
+                     key)
+        return None
+    t0 = time.perf_counter()
+    kv, absent_reason, get_s = kv_io.result(fetch)
+    return _DiTRow(job, ar_row, key, kv, absent_reason, get_s, time.perf_counter() - t0)
 
 
 def _transient_rows_error(shard: int, transient: list[tuple[str, str]]) -> RuntimeError:
@@ -233,7 +278,7 @@ def _denoise_rows(engine, out_io: _RowWriter, rows: list[_DiTRow], *, gen: dict[
                       "one by one", file=sys.stderr, flush=True)
     for row in rows:
         try:
-            out = engine.dit(requests[row.key])
+            out = _denoise_retrying_oom(engine, requests[row.key])
         except Exception as e:  # noqa: BLE001 - the row ends as an error row, the shard goes on
             if isinstance(e, RankLost):
                 raise  # another rank died: the step fails, nothing is committed
@@ -242,11 +287,33 @@ def _denoise_rows(engine, out_io: _RowWriter, rows: list[_DiTRow], *, gen: dict[
         _write_row(out_io, row, requests[row.key].ar, out, fallbacks)
 
 
+def _denoise_retrying_oom(engine: Any, request: Any) -> Any:
+    """engine.dit(request); out of GPU memory once, again after the allocator gave its cached
+    blocks back (each CUDA stream keeps its own: an overlapped AR's free blocks are no use to the
+    DiT's stream until then). Alone in its process (no ranks waiting in its collectives) only."""
+    import torch
+
+    try:
+        return engine.dit(request)
+    except torch.OutOfMemoryError:
+        parallel = getattr(engine.model, "parallel", None)
+        if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1):
+            raise
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"dit: row {request.ar.id} ran out of GPU memory; retrying it once with the allocator's cached blocks "
+          "freed", file=sys.stderr, flush=True)
+    return engine.dit(request)
+
+
 def _write_row(out_io: _RowWriter, row: _DiTRow, ar, out, fallbacks: Any) -> None:
     job, ar_row, key, get_s, wait_s = row.job, row.ar_row, row.key, row.get_s, row.wait_s
     t = out.timings
     metrics = dict(
         cot_text=ar.cot_text, kv_path=out.kv_path, kv_reason=out.kv_reason or None,
+        kv_store=out_io.kv_io.scheme if out.kv_path == "reuse" else None,  # how the reused K/V came
         ar_prefill_s=ar_row["ar_prefill_s"], ar_decode_s=ar_row["ar_decode_s"],
         prompt_tokens=ar_row["prompt_tokens"], generated_tokens=ar_row["generated_tokens"],
         kv_bytes=ar_row.get("kv_bytes"), kv_put_s=ar_row.get("kv_put_s"), kv_get_s=get_s, kv_wait_s=wait_s,
@@ -280,6 +347,7 @@ class _KVReader:
         from components.kvstore.base import DaemonPool
 
         self.store, self.engine, self.kv_reuse, self.deletes = store, engine, kv_reuse, deletes
+        self.scheme = str(getattr(store, "url", "")).split("://", 1)[0] or None  # memory, local, mooncake
         self.heads = rank_heads(engine)  # this rank's KV heads under tensor parallelism
         self.layers = rank_layers(engine)  # and its decoder layers under pipeline parallelism
         self.device = str(engine.model.device)

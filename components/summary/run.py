@@ -10,7 +10,9 @@ creation (shard step) to the last commit. Time split (seconds): load = the engin
 AR and DiT steps (each step records its own, 0 when its process had the engine loaded already);
 sums of the per-row columns: ar = ar_prefill_s + ar_decode_s, kv = kv_put_s + kv_get_s,
 dit = dit_total_s + vae_decode_s; other = wall time minus those (sharding, image preparation, PNG
-and Parquet writes, commits), null when the parts exceed the wall time (shards run in parallel).
+and Parquet writes, commits), null when the parts exceed the wall time (shards run in parallel, or
+a shard's AR and DiT ran at once: `shards_overlapped`; their load is in the shard's "overlap" step
+record). `kv_stores` counts how the reused K/V came (memory: handed over inside the model copy).
 Per shard, `time_s` holds its load, ar, kv and dit. A local job of several data-parallel replicas
 (split_by_replica) adds `time_split_by_replica_s`, each replica's split adding up to wall_s, and
 its `time_split_s` is in replica-seconds: the replicas' splits summed, adding up to replicas x wall_s.
@@ -93,14 +95,19 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
                         kv_wait_fraction=(wait_s / dit_s) if dit_s else None,
                         kernel_fallbacks=int(_sum(table, "kernel_fallbacks")))
             tables.append(table.append_column("shard", pa.array([k] * table.num_rows, pa.int64())))
-            records = {step: layout.read_json(layout.step_timing_key(k, step)) or {} for step in ("ar", "dit")}
+            # "overlap": the AR and DiT ran at once on one engine (components/overlap/run.py), which
+            # it loaded for both: its record holds that load
+            records = {step: layout.read_json(layout.step_timing_key(k, step)) or {}
+                       for step in ("ar", "dit", "overlap")}
             shard_load_s = sum(r.get("load_s", 0.0) for r in records.values())
             load_s += shard_load_s
             info["time_s"] = {"load": shard_load_s, **{g: sum(_sum(table, c) for c in cols)
                                                        for g, cols in TIME_GROUPS.items()}}
-            info.update(steps={step: {key: r[key] for key in ("wall_s", "scheduler", "memory", "compile")
+            info.update(steps={step: {key: r[key] for key in ("wall_s", "scheduler", "memory", "compile", "handoff")
                                       if key in r}
                                for step, r in records.items() if r})
+            if records["overlap"]:
+                info["overlapped"] = True
         else:
             pending += entry["rows"]
         shards.append(info)
@@ -142,6 +149,11 @@ def summarize(layout: RunLayout) -> dict[str, Any]:
         "time_split_s": time_split,
         "time_split_fraction": _fractions(time_split),
         "kv_paths": dict(Counter(ok_rows.column("kv_path").to_pylist())) if ok_rows is not None else {},
+        # how the reused K/V came: memory (handed over inside the model copy), local, mooncake
+        "kv_stores": (dict(Counter(r for r in ok_rows.column("kv_store").to_pylist() if r is not None))
+                      if ok_rows is not None and "kv_store" in ok_rows.column_names else {}),
+        # shards whose AR and DiT ran at once: their AR and DiT seconds overlap in time_split_s
+        "shards_overlapped": sum(bool(s.get("overlapped")) for s in shards),
         "kv_reasons": (dict(Counter(r for r in ok_rows.column("kv_reason").to_pylist() if r is not None))
                        if ok_rows is not None else {}),
         "kv_wait_fraction": _kv_wait_fraction(shards),

@@ -1,0 +1,139 @@
+"""The AR and DiT steps of one shard at once, on one engine (one copy of the weights).
+
+    load the engine once                       (both steps then find it loaded)
+    AR step   on a thread of its own, on a high-priority CUDA stream:
+              the continuous-batching scheduler decodes the next rows; each finished row's K/V
+              goes to the copy's in-memory store and the row to the handoff
+    DiT step  on this thread, on the default stream:
+              takes each row as the AR finishes it, denoises it, writes its image
+    both end; the DiT step commits the shard, the AR step has written ar.parquet
+
+The AR's decode is memory-bound (each step reads every weight for a few tokens a row) and the DiT's
+steps are compute-bound, so the GPU runs them side by side instead of in turn, and no row's K/V
+goes through storage: it stays in this process (GPU or page-locked host memory), counted as reuse.
+The AR is held back when it runs too far ahead of the DiT (components/runtime/handoff.py), and it
+leaves the DiT the GPU memory the DiT needs (`dit_reserve_bytes`).
+
+Each step writes what it writes when run alone (ar.parquet, rows, step records; the handoff's
+figures in the DiT's step record), so resume, commit and the per-row reuse / recompute accounting
+are the sequential steps'. A failure of either side stops the other: rows already written stay,
+the rest run again on resume. One process, one rank: the layouts of several ranks (--tp, --pp)
+run their steps in turn (their ranks' collectives would interleave across the two threads).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from components.ar.run import run as ar_run
+from components.data.runs import RunLayout
+from components.dit.run import run as dit_run
+from components.errors import ConfigError
+from components.models import load_engine
+from components.runtime.handoff import Cancelled, Handoff
+
+# what engine keywords both steps take (the rest of `ar` / `dit` is each step's own)
+ENGINE_KEYS = ("model", "weights", "dummy_weights", "tensor_parallel_size", "quantization", "kv_store", "device",
+               "dtype", "seed", "pipeline_parallel_size")
+
+
+def run(output: str, run_id: str, shard: int, *, ar: dict[str, Any], dit: dict[str, Any], progress: Any = None,
+        parallel: Any = None, handoff: Handoff | None = None, **engine: Any) -> dict[str, Any]:
+    """Run shard `shard`'s AR and DiT steps overlapped. `ar` / `dit`: each step's own keywords;
+    `engine`: the keywords both take (ENGINE_KEYS). Returns both steps' results and the handoff's
+    figures. `handoff`: the rows' way from the AR to the DiT (default: Handoff())."""
+    from components.progress import NoProgress, SharedProgress
+
+    if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1):
+        raise ConfigError("overlapped AR and DiT steps run in one process (tp x pp = 1): use --overlap off with "
+                          "--tp or --pp above 1")
+    common = {"output": output, "run_id": run_id, "shard": shard, "parallel": parallel, **engine}
+    progress = SharedProgress(progress or NoProgress())  # both threads report to it
+    t_load = time.perf_counter()
+    loaded = load_engine(engine["model"], engine.get("weights"), engine["device"], engine.get("dtype"),
+                         engine.get("seed", 0), engine.get("dummy_weights", False),
+                         engine.get("tensor_parallel_size", 1), engine.get("quantization"), parallel,
+                         engine.get("pipeline_parallel_size", 1))
+    load_s = time.perf_counter() - t_load
+    handoff = handoff or Handoff()
+    handoff.reserve_bytes = dit_reserve_bytes(loaded.model)
+    side = _ARThread(common | ar, handoff, progress, loaded.model.device)
+    side.start()
+    try:
+        dit_result = dit_run(**common, **dit, handoff=handoff, progress=progress)
+    except BaseException:
+        handoff.cancel()  # the AR stops at its next admission (or its next finished row)
+        side.join(timeout=60.0)
+        _forget_shard_kv(engine.get("kv_store"), run_id, shard)
+        raise
+    side.join()
+    if side.error is not None and not isinstance(side.error, Cancelled):
+        raise side.error  # the DiT took every row the AR handed over; the rest stay for a resume
+    record = {"load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_load - load_s, 3),
+              "handoff": handoff.stats()}
+    if "skipped" not in dit_result:  # beside the steps' own records: the load they shared (theirs read 0)
+        layout = RunLayout.open(output, run_id)
+        layout.write_json(layout.step_timing_key(shard, "overlap"), record)
+    return {"shard": shard, "ar": side.result, "dit": dit_result, **record}
+
+
+def _forget_shard_kv(url: str | None, run_id: str, shard: int) -> None:
+    """The K/V the AR put and the DiT will not read now (it stopped): gone from the in-memory store
+    at once, rather than held until the process ends (a resume recomputes those prefixes anyway)."""
+    if url and url.startswith("memory://"):
+        from components.kvstore.memory import open_memory_store
+
+        open_memory_store(url).delete_prefix(f"{run_id}/{shard}")
+
+
+class _ARThread(threading.Thread):
+    """The AR step on a thread of its own (and its own CUDA stream), telling the handoff when it ends."""
+
+    def __init__(self, kwargs: dict[str, Any], handoff: Handoff, progress: Any, device: Any):
+        super().__init__(name=f"ar-shard-{kwargs['shard']}", daemon=True)
+        self.kwargs, self.handoff, self.progress, self.device = kwargs, handoff, progress, device
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        import contextlib
+
+        import torch
+
+        stream = (torch.cuda.stream(torch.cuda.Stream(self.device, priority=-1)) if self.device.type == "cuda"
+                  else contextlib.nullcontext())
+        try:
+            with stream, torch.no_grad():
+                self.result = ar_run(**self.kwargs, handoff=self.handoff, progress=self.progress)
+        except BaseException as e:  # noqa: BLE001 - handed to the DiT side, which raises it
+            self.error = e
+            if not isinstance(e, Cancelled):
+                print(f"ar: shard {self.kwargs['shard']}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            self.handoff.finish(self.error)
+
+
+def dit_reserve_bytes(model: Any) -> int:
+    """GPU memory the DiT of an overlapped copy needs beside the AR (the AR's K/V budget leaves it
+    free): a row's two CFG caches at the model's largest image (its prefix of conditioning image,
+    ViT tokens and text, plus the image tokens), a step's activations, and the VAE decode of that
+    image (about 14 KB a pixel, measured at 1024 x 1024 with the compiled norms), with 25 % margin.
+    0 off the GPU."""
+    if model.device.type != "cuda":
+        return 0
+    from components.engine.ar_scheduler import kv_bytes_per_token
+
+    cfg = model.config
+    side = cfg.image_base_size
+    image_tokens = (side // 16) ** 2  # the 16x VAE's latent grid
+    prefix_tokens = image_tokens + 1024 + 2048  # a conditioning image, its ViT tokens, text and CoT
+    cache = 2 * (prefix_tokens + image_tokens) * kv_bytes_per_token(model)
+    topk = max(cfg.moe_topk) if isinstance(cfg.moe_topk, list) else cfg.moe_topk
+    inter = max(cfg.moe_intermediate_size) if isinstance(cfg.moe_intermediate_size, list) \
+        else cfg.moe_intermediate_size
+    activations = 2 * image_tokens * (8 * cfg.hidden_size + 3 * (topk + 1) * inter) * 2
+    vae = side * side * 14_000
+    return int(1.25 * (cache + activations + vae))

@@ -1,0 +1,249 @@
+"""AR and DiT overlapped on one engine (components/overlap/run.py, `--overlap`), the rows handed over
+in memory (components/runtime/handoff.py), tiny model on the CPU:
+
+- the handoff's gate: a first wave, at most `lead` rows ahead, a whole wave once the DiT is down
+  to `low` waiting rows; it blocks an idle AR instead of letting it spin; a stopped DiT stops it;
+- the overlapped job gives the sequential job's tokens and images (bitwise with
+  --batch-invariant), every reused K/V handed over in memory and counted as reuse;
+- a job killed mid-overlap keeps the rows it wrote, and the same command completes it;
+- a failure on either side stops the other, the rows written stay, and a resume completes;
+- --overlap is checked before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from components.runtime.handoff import Cancelled, Handoff
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the handoff ----------------------------------------------------------------------------------
+def test_the_first_wave_is_small_so_the_dit_starts_early():
+    h = Handoff(head_rows=2, low_rows=1, lead_rows=4)
+    assert h.admit(0) and h.admit(1) and not h.admit(2)
+
+
+def test_the_ar_stays_within_its_lead_and_refills_a_whole_wave_at_low_water():
+    h = Handoff(head_rows=2, low_rows=1, lead_rows=4)
+    for i in range(2):
+        h.put({"id": f"r{i}"})
+    assert h.take()["id"] == "r0"  # the DiT has started: rows may join the wave in flight
+    assert h.admit(1) and h.admit(2) and not h.admit(3)  # 1 waiting + 3 in flight = the lead
+    h.put({"id": "r2"})
+    h.put({"id": "r3"})
+    h.put({"id": "r4"})
+    # nothing in flight, 4 waiting: an idle AR waits for the DiT to get down to `low`
+    admitted = []
+    t = threading.Thread(target=lambda: admitted.append(h.admit(0)))
+    t.start()
+    time.sleep(0.3)
+    assert not admitted  # blocked, not spinning
+    for _ in range(3):
+        h.take()
+    t.join(timeout=5)
+    assert admitted == [True] and h.held_s > 0.2
+
+
+def test_a_stopped_dit_stops_the_ar_at_its_gate_and_at_its_next_row():
+    h = Handoff(head_rows=1, low_rows=0, lead_rows=1)
+    h.put({"id": "r0"})
+    h.cancel()
+    with pytest.raises(Cancelled):
+        h.admit(0)
+    with pytest.raises(Cancelled):
+        h.put({"id": "r1"})
+
+
+def test_take_gives_every_row_then_none_once_the_ar_finished():
+    h = Handoff()
+    h.put({"id": "a"})
+    threading.Timer(0.2, h.finish).start()
+    assert h.take()["id"] == "a" and h.take() is None and h.waited_s >= 0.15
+
+
+def test_the_handoff_refuses_sizes_that_cannot_work():
+    with pytest.raises(ValueError, match="head"):
+        Handoff(head_rows=0)
+    with pytest.raises(ValueError, match="low"):
+        Handoff(head_rows=2, low_rows=8, lead_rows=8)
+
+
+# -- whole jobs -----------------------------------------------------------------------------------
+def _job(dataset: str, out: str, run_id: str, overlap: str, **extra):
+    from components.jobconfig import JobConfig
+    from pipeline.local import run_job
+
+    config = JobConfig(dataset=dataset, output=out, run_id=run_id, num_shards=2, model="tiny", device="cpu",
+                       steps=2, guidance=5.0, max_new_tokens=6, temperature=0.0, overlap=overlap, **extra)
+    return run_job(config, progress=False)
+
+
+def _outputs(out: str, run_id: str) -> dict[str, tuple]:
+    """Per row: its CoT tokens and image bytes, and how its K/V came."""
+    rows = {}
+    for path in sorted(Path(out, run_id, "shards").glob("*/rows.parquet")):
+        for r in pq.read_table(path).to_pylist():
+            image = Path(out, r["image_key"]).read_bytes() if r["status"] == "ok" else None
+            rows[r["id"]] = (r["generated_ids"], image, r["kv_path"], r.get("kv_store"), r["status"])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from components.data.sample import write_sample_edit_dataset
+
+    root = tmp_path_factory.mktemp("overlap")
+    return str(write_sample_edit_dataset(root / "edit.parquet", n=10, size=64)), root
+
+
+def test_the_overlapped_job_gives_the_sequential_jobs_rows_bitwise(dataset):
+    data, root = dataset
+    out = str(root / "runs")
+    # 5 rows a shard: the head wave (4) and a row joining later, so the AR's batches differ from the
+    # sequential step's; --batch-invariant makes each row's numbers its own
+    seq = _job(data, out, "seq", "off", batch_invariant=True)
+    ovl = _job(data, out, "ovl", "on", batch_invariant=True)
+    a, b = _outputs(out, "seq"), _outputs(out, "ovl")
+    assert len(a) == 10 and a.keys() == b.keys()
+    assert all(a[k][:2] == b[k][:2] for k in a), "tokens and images differ between the schedules"
+    assert {v[2:] for v in b.values()} == {("reuse", "memory", "ok")}  # handed over in memory, counted as reuse
+    assert (seq["shards_overlapped"], ovl["shards_overlapped"]) == (0, 2)
+    assert ovl["kv_paths"] == {"reuse": 10} and ovl["kv_stores"] == {"memory": 10}
+    record = json.loads(Path(out, "ovl", "shards", "0", "steps", "overlap.json").read_text())
+    assert record["handoff"]["rows"] == 5 and record["load_s"] >= 0
+    assert not list(Path(out, "ovl").glob("_kv*"))  # no K/V went through a directory
+
+
+def test_without_batch_invariance_the_overlapped_rows_are_the_same_greedy_tokens(dataset):
+    data, root = dataset
+    out = str(root / "runs")
+    _job(data, out, "seq-b", "off")
+    _job(data, out, "ovl-b", "on")
+    a, b = _outputs(out, "seq-b"), _outputs(out, "ovl-b")
+    assert all(a[k][0] == b[k][0] for k in a)  # float32 on the CPU: the batches' rounding does not flip a token
+
+
+class Broke(BaseException):
+    """A failure the AR scheduler does not recover from (it retries rows after an Exception)."""
+
+
+def test_an_ar_failure_mid_shard_stops_the_dit_keeps_its_rows_and_a_resume_completes(dataset, monkeypatch):
+    from components.engine import ar_scheduler
+
+    data, root = dataset
+    out = str(root / "runs")
+    finished = []
+    real = ar_scheduler.ARScheduler._finish
+
+    def finish(self, seq):
+        real(self, seq)
+        finished.append(seq.request.id)
+        if len(finished) == 3:
+            raise Broke("planted: the AR side broke")
+
+    monkeypatch.setattr(ar_scheduler.ARScheduler, "_finish", finish)
+    with pytest.raises(Broke, match="planted: the AR side broke"):
+        _job(data, out, "arfail", "on")
+    rows = [json.loads(p.read_text()) for p in Path(out, "arfail", "shards", "0", "rows").glob("*.json")]
+    assert rows and all(r["kv_path"] == "reuse" for r in rows)  # the rows handed over kept their K/V
+    written = sorted(p.stem for p in Path(out, "arfail", "shards", "0", "rows").glob("*.json"))
+    assert 1 <= len(written) <= 3  # what the DiT took before the AR broke is written
+    before = {name: Path(out, "arfail", "shards", "0", "rows", f"{name}.json").read_bytes() for name in written}
+    monkeypatch.setattr(ar_scheduler.ARScheduler, "_finish", real)
+    summary = _job(data, out, "arfail", "on")
+    assert (summary["rows_ok"], summary["rows_failed"], summary["complete"]) == (10, 0, True)
+    assert all(Path(out, "arfail", "shards", "0", "rows", f"{n}.json").read_bytes() == b for n, b in before.items())
+
+
+def test_a_dit_failure_stops_the_ar_and_a_resume_completes(dataset, monkeypatch):
+    import components.dit.run as dit_run
+
+    data, root = dataset
+    out = str(root / "runs")
+    calls = []
+    real = dit_run._denoise_retrying_oom
+
+    def denoise(engine, request):
+        calls.append(request.ar.id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as Ctrl-C in the DiT's thread, the job's main thread
+        return real(engine, request)
+
+    monkeypatch.setattr(dit_run, "_denoise_retrying_oom", denoise)
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        _job(data, out, "ditfail", "on")
+    assert time.perf_counter() - t0 < 60
+    assert not [t for t in threading.enumerate() if t.name.startswith("ar-shard-") and t.is_alive()]
+    monkeypatch.setattr(dit_run, "_denoise_retrying_oom", real)
+    summary = _job(data, out, "ditfail", "on")
+    assert (summary["rows_ok"], summary["complete"]) == (10, True)
+
+
+def test_a_job_killed_mid_overlap_keeps_its_rows_and_the_same_command_completes_it(dataset):
+    data, root = dataset
+    out = str(root / "runs")
+    cmd = [sys.executable, "-m", "pipeline.cli", "edit", data, "-o", out, "--run-id", "killed", "--model", "tiny",
+           "--device", "cpu", "--num-shards", "1", "--steps", "2", "--max-new-tokens", "6", "--temperature", "0",
+           "--overlap", "on"]
+    rows_dir = Path(out, "killed", "shards", "0", "rows")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 180
+        while not list(rows_dir.glob("*.json")):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "no row was written"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    kept = {p.name: p.read_bytes() for p in rows_dir.glob("*.json")}
+    assert 1 <= len(kept) < 10 and not Path(out, "killed", "shards", "0", "_COMMITTED").exists()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(Path(out, "killed", "summary.json").read_text())
+    assert (summary["rows_ok"], summary["rows_failed"], summary["complete"]) == (10, 0, True)
+    assert all((rows_dir / name).read_bytes() == data for name, data in kept.items())  # not redone
+
+
+def test_overlap_is_checked_before_any_work(tmp_path):
+    from components.errors import ConfigError
+    from components.preflight import check_overlap
+
+    check_overlap("auto", 4)
+    check_overlap("on", 1)
+    with pytest.raises(ConfigError, match=r"--overlap 'maybe': use one of auto, on, off"):
+        check_overlap("maybe", 1)
+    with pytest.raises(ConfigError, match=r"--overlap on: a model copy of 2 ranks"):
+        check_overlap("on", 2)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "edit", str(tmp_path / "x.parquet"), "-o",
+                           str(tmp_path / "o"), "--overlap", "sometimes"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--overlap 'sometimes'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_auto_overlaps_on_a_gpu_copy_of_one_rank_only():
+    from components.jobconfig import JobConfig
+    from pipeline.local import overlaps
+
+    base = JobConfig(dataset="d", output="o", run_id="r")
+    assert overlaps(base, "cuda") and not overlaps(base, "cpu")
+    assert overlaps(base.replace(overlap="on"), "cpu")
+    assert not overlaps(base.replace(tensor_parallel_size=2), "cuda")
+    assert not overlaps(base.replace(overlap="off"), "cuda")
+    assert not overlaps(base.replace(ar_from_run="other"), "cuda")
