@@ -16,7 +16,13 @@ shard's step records (wall time, the AR's pool and decode step, frames compiled 
 memory peaks and retries).
 With --time-limit the job running at the limit is stopped as Ctrl-C would, and what it committed is
 reported (`cut_by_time_limit`); --out is written after every layout.
-Layout names: tpN, ppN, dpN and combinations joined by 'x' (e.g. pp2xtp2, dp2xtp1).
+Layout names: tpN, ppN, dpN and combinations joined by 'x' (e.g. pp2xtp2, dp2xtp1), with `:seq` or
+`:ovl` appended for `--overlap off` / `on` (a shard's AR and DiT in turn, or at once on each model
+copy; without a suffix the job's default, auto). GPU busy: the mean of nvidia-smi's utilization.gpu
+sampled every 0.5 s over the job. `--cot-tokens` takes N or lognormal:MEDIAN:LO:HI (e.g.
+lognormal:1000:200:2048, the realistic CoT lengths; see components/engine/ar.py ForcedCot).
+For the full model at the default settings (IT2I 1024x1024, 8 steps, CFG 5) it also gives the
+fraction of the physical bound of ~2 650 img/GPU-h (FP8 GEMMs at dense peak, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -36,9 +42,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+PHYSICAL_BOUND_IMG_PER_GPU_H = 2650  # IT2I 1024x1024, 8 CFG steps, K/V reused, at dense FP8 peak (H100 / H200)
+OVERLAP_SUFFIX = {"seq": "off", "ovl": "on"}
+
+
 def parse_layout(name: str) -> dict[str, int]:
-    """'pp2xtp2' -> {'tp': 2, 'pp': 2, 'dp': 1}."""
+    """'pp2xtp2' -> {'tp': 2, 'pp': 2, 'dp': 1} (an `:seq` / `:ovl` suffix is the overlap arm)."""
     sizes = {"tp": 1, "pp": 1, "dp": 1}
+    name, _, arm = name.partition(":")
+    if arm and arm not in OVERLAP_SUFFIX:
+        raise SystemExit(f"layout suffix {arm!r}: use :seq or :ovl")
     for part in name.split("x"):
         m = re.fullmatch(r"(tp|pp|dp)(\d+)", part)
         if not m:
@@ -48,23 +61,30 @@ def parse_layout(name: str) -> dict[str, int]:
 
 
 class GpuMemory:
-    """Peak memory.used per GPU from nvidia-smi, sampled in the background."""
+    """Peak memory.used and the utilization.gpu samples per GPU from nvidia-smi, in the background."""
 
     def __init__(self, interval_s: float = 0.5):
         self.interval_s, self.peak_mib, self._stop = interval_s, {}, threading.Event()
+        self.busy: dict[int, list[int]] = {}
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used,utilization.gpu",
+                                      "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True, timeout=10).stdout
                 for line in out.strip().splitlines():
-                    index, used = (int(v) for v in line.split(","))
+                    index, used, busy = (int(v) for v in line.split(","))
                     self.peak_mib[index] = max(self.peak_mib.get(index, 0), used)
+                    self.busy.setdefault(index, []).append(busy)
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 pass
             self._stop.wait(self.interval_s)
+
+    def mean_busy(self) -> dict[int, float]:
+        """Mean utilization.gpu (%) per GPU over the samples."""
+        return {i: round(sum(v) / len(v), 1) for i, v in self.busy.items() if v}
 
     def __enter__(self) -> "GpuMemory":
         self._thread.start()
@@ -178,7 +198,8 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
                deadline: float | None = None) -> dict:
     sizes = parse_layout(name)
     gpus = sizes["tp"] * sizes["pp"] * sizes["dp"]
-    run_id = f"bench-{name}"
+    run_id = f"bench-{name.replace(':', '-')}"
+    arm = name.partition(":")[2]
     shutil.rmtree(work / "runs" / run_id, ignore_errors=True)
     shards = max(args.shards, sizes["dp"])
     cmd = [sys.executable, "-m", "pipeline.cli", "edit", str(dataset), "-o", str(work / "runs"), "--run-id", run_id,
@@ -187,6 +208,8 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
     cmd.append("--dummy-weights")  # presets draw random weights anyway; the forced CoT asks for it by name
     if args.quantization != "none":
         cmd += ["--quantization", args.quantization]
+    if arm:
+        cmd += ["--overlap", OVERLAP_SUFFIX[arm]]
     cmd += args.extra
     env = {**os.environ, "ARDIT_BENCH_COT_TOKENS": str(args.cot_tokens), "PYTHONUNBUFFERED": "1"}
     print("$", " ".join(cmd), flush=True)
@@ -236,6 +259,8 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
         "outside_unaccounted_s": (round(wall - job_s - checks_s - start_s - close_s, 1)
                                   if None not in (job_s, checks_s, start_s, close_s) else None),
         "img_per_gpu_h": round(len(ok) * 3600 / (wall * gpus), 1) if ok else 0.0,
+        "gpu_busy_pct": memory.mean_busy(),
+        "shards_overlapped": summary.get("shards_overlapped"), "kv_stores": summary.get("kv_stores"),
         "img_per_gpu_h_after_load": (round(len(ok) * 3600 / ((wall - load_s) * gpus), 1)
                                      if ok and load_s else None),
         "ar_prefill_s_per_row": mean([r.get("ar_prefill_s") for r in ok]),
@@ -254,6 +279,8 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
         "shard_steps": [{"shard": sh["shard"], **sh.get("steps", {})} for sh in summary.get("shards", [])],
         "peak_gpu_mib": memory.peak_mib, "time_split_s": split, "log_tail": log[-1500:],
     }
+    if not args.layers and not args.model and (args.steps, args.guidance, args.image_size) == (8, 5.0, 1024):
+        result["bound_fraction"] = round(result["img_per_gpu_h"] / PHYSICAL_BOUND_IMG_PER_GPU_H, 3)
     print(json.dumps({k: v for k, v in result.items() if k != "log_tail"}), flush=True)
     return result
 
@@ -265,7 +292,7 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--guidance", type=float, default=5.0)
-    p.add_argument("--cot-tokens", type=int, default=256)
+    p.add_argument("--cot-tokens", default="256", help="N, or lognormal:MEDIAN:LO:HI (ARDIT_BENCH_COT_TOKENS)")
     p.add_argument("--image-size", type=int, default=1024)
     p.add_argument("--output-size", default="1024x1024",
                    help="the rows' size column: WxH, or auto (the ratio token decides; with dummy weights "
@@ -307,13 +334,15 @@ def main() -> None:
         results["layouts"].append(run_layout(name, args, dataset, model, work, deadline))
         if args.out:  # after each layout: a later one that is cut short loses nothing before it
             Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"\n{'layout':<10} {'ok':>4} {'fail':>4} {'wall s':>7} {'load s':>7} {'img/GPU-h':>9} {'w/o load':>9} "
-          f"{'AR pre':>7} {'AR dec':>7} {'DiT':>6} {'peak GiB/GPU':>14}")
+    print(f"\n{'layout':<12} {'ok':>4} {'fail':>4} {'wall s':>7} {'load s':>7} {'img/GPU-h':>9} {'w/o load':>9} "
+          f"{'busy %':>7} {'AR pre':>7} {'AR dec':>7} {'DiT':>6} {'peak GiB/GPU':>14}")
     for r in results["layouts"]:
         peak = ",".join(f"{v / 1024:.0f}" for v in r["peak_gpu_mib"].values())
-        print(f"{r['layout']:<10} {r['rows_ok']:>4} {r['rows_failed']:>4} {r['wall_s']:>7} {str(r['load_s']):>7} "
-              f"{r['img_per_gpu_h']:>9} {str(r['img_per_gpu_h_after_load']):>9} {str(r['ar_prefill_s_per_row']):>7} "
-              f"{str(r['ar_decode_s_per_row']):>7} {str(r['dit_s_per_row']):>6} {peak:>14}")
+        busy = ",".join(f"{v:.0f}" for v in r["gpu_busy_pct"].values())
+        print(f"{r['layout']:<12} {r['rows_ok']:>4} {r['rows_failed']:>4} {r['wall_s']:>7} {str(r['load_s']):>7} "
+              f"{r['img_per_gpu_h']:>9} {str(r['img_per_gpu_h_after_load']):>9} {busy:>7} "
+              f"{str(r['ar_prefill_s_per_row']):>7} {str(r['ar_decode_s_per_row']):>7} {str(r['dit_s_per_row']):>6} "
+              f"{peak:>14}")
         print(f"  outside the job's clock: {r.get('outside_job_and_checks_s')} s besides the checks' "
               f"{r.get('checks_s')} s; of these the CLI's start {r.get('start_s')} s, the ranks stopping "
               f"{r.get('close_s')} s, the rest {r.get('outside_unaccounted_s')} s")
@@ -330,7 +359,7 @@ def main() -> None:
                   f"{sched.get('mean_batch')} a step, decode {per_step and round(per_step, 1)} ms a step, prefill "
                   f"{sched.get('prefill_s')} s, OOMs {sched.get('oom_retries')}, compiles {ar.get('compile')}, "
                   f"memory {ar.get('memory')}); DiT {dit.get('wall_s')} s (compiles {dit.get('compile')}, "
-                  f"memory {dit.get('memory')})")
+                  f"memory {dit.get('memory')}, handoff {dit.get('handoff')})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""Where one DiT denoising step of the FP8 model spends its time, kernel by kernel, against the
+arithmetic it must do (full-width layers, dummy weights, one GPU).
+
+    python3 benchmarks/dit_profile.py --layers 4 --out $OUT/dit_profile.json
+
+A `--layers`-layer FP8 stack (`engine.build_model_fp8`), a cached prompt prefix of `--prefix`
+tokens (random K/V) and one cached step as the DiT runs it at `--size` with CFG: both rows'
+`<timestep>` + image tokens through `forward_layers(..., compiled=True)` over the prefix (the
+`<timestep>` row masked, the image block unmasked: transformer.HeadMask). It times the step with
+CUDA events, counts its FLOPs (projections, attention, routed and shared experts, router) and gives
+the achieved rate against the FP8 dense peak (`--peak-tflops`, the H100 / H200 datasheet's 1979 by
+default), then a torch.profiler table of the same step, per layer, by kernel and by kind (GEMMs,
+attention, MoE routing and permutation, norms and RoPE, the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.engine_layers import cuda_time  # noqa: E402
+from components.engine.config import get_config  # noqa: E402
+from components.engine.engine import build_model_fp8  # noqa: E402
+from components.engine.transformer import HeadMask  # noqa: E402
+
+KINDS = [  # kernel name pattern -> kind (first match wins)
+    ("gemm", r"gemm|cutlass|sm90|matmul|_mm|wgmma|fp8_grouped|grouped"),
+    ("attention", r"flash|fmha|attention|sdpa|flex"),
+    ("moe routing", r"topk|sort|scatter|gather|index|cumsum|histc|bincount|radix|argsort"),
+    ("norms / rope / casts", r"norm|rsqrt|rope|pow|mean|triton_(poi|red|per)"),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def step_flops(cfg, tokens: int, keys: int) -> dict[str, float]:
+    """FLOPs of one layer for `tokens` query tokens over `keys` keys (both CFG rows together)."""
+    h, d = cfg.hidden_size, cfg.attention_head_dim
+    q, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    topk = cfg.moe_topk[0] if isinstance(cfg.moe_topk, list) else cfg.moe_topk
+    inter = cfg.moe_intermediate_size[0] if isinstance(cfg.moe_intermediate_size, list) else cfg.moe_intermediate_size
+    shared = cfg.num_shared_expert[0] if isinstance(cfg.num_shared_expert, list) else cfg.num_shared_expert
+    expert = 2 * tokens * (h * 2 * inter + inter * h)
+    return {"projections": 2 * tokens * h * ((q + 2 * kv) * d + q * d),
+            "attention": 4 * tokens * keys * q * d,
+            "routed experts": topk * expert, "shared expert": shared * expert,
+            "router": 2 * tokens * h * cfg.num_experts}
+
+
+@torch.no_grad()
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prefix", type=int, default=5400, help="cached prompt tokens (a 1024x1024 edit's, ~5.4k)")
+    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--peak-tflops", type=float, default=1979.0)
+    p.add_argument("--out", default="dit_profile.json")
+    p.add_argument("--check", action="store_true", help="the tiny config in float32 on the CPU (this script's own test)")
+    args = p.parse_args()
+
+    device = "cpu" if args.check else "cuda"
+    if args.check:
+        from components.engine.engine import build_model, materialize
+
+        cfg = get_config("tiny")
+        model = build_model(cfg, "cpu", allocate=False)
+        materialize(model, "cpu", None, 0)
+        args.layers, args.prefix, args.size = cfg.num_hidden_layers, 64, 128
+    else:
+        cfg = get_config("hunyuan-image-3").replace(num_hidden_layers=args.layers)
+        model = build_model_fp8(cfg, device, seed=0)
+    image = (args.size // 16) ** 2
+    t = 1 + image  # <timestep> + the image tokens
+    batch = 2  # [cond; uncond]
+    cache = model.new_cache(batch, args.prefix + t)
+    for k in cache.k + cache.v:
+        k.normal_()
+    cache.length = args.prefix
+    x = torch.randn(batch, t, cfg.hidden_size, device=device, dtype=model.dtype)
+    side = int(image ** 0.5)
+    grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(-1, 2)
+    positions = torch.cat([torch.full((1, 2), args.prefix), grid + args.prefix + 1]).float()
+    positions = positions.expand(batch, -1, -1).to(device)
+    mask = HeadMask(torch.ones(batch, 1, 1, args.prefix + t, dtype=torch.bool, device=device), rows=1)
+
+    def step():
+        return model.forward_layers(x, positions, mask, cache, compiled=True)
+
+    if args.check:
+        step()
+        print(json.dumps({"check": "ok", "flops": step_flops(cfg, batch * t, args.prefix + t)}))
+        return 0
+    with model.autocast():
+        ms = cuda_time(step, warmup=3, repeat=10)
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        runs = 3
+        with prof:
+            for _ in range(runs):
+                step()
+            torch.cuda.synchronize()
+    flops = step_flops(cfg, batch * t, args.prefix + t)
+    per_layer_ms = ms / args.layers
+    total = sum(flops.values())
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    scale = runs * args.layers
+    kernels = [{"name": e.key[:140], "kind": kind_of(e.key), "us_per_layer": round(e.self_device_time_total / scale, 1),
+                "calls_per_layer": round(e.count / scale, 2)} for e in events]
+    kinds: dict[str, float] = {}
+    for k in kernels:
+        kinds[k["kind"]] = round(kinds.get(k["kind"], 0.0) + k["us_per_layer"], 1)
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
+              "prefix": args.prefix, "size": args.size, "tokens": batch * t,
+              "ms_per_layer": round(per_layer_ms, 3), "ms_per_step_32_layers": round(per_layer_ms * 32, 1),
+              "tflop_per_layer": round(total / 1e12, 3),
+              "achieved_tflops": round(total / (per_layer_ms / 1e3) / 1e12, 1),
+              "fraction_of_peak": round(total / (per_layer_ms / 1e3) / 1e12 / args.peak_tflops, 3),
+              "flops_by_part": {k: round(v / 1e12, 3) for k, v in flops.items()},
+              "kernel_us_per_layer_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+              "kernels": kernels}
+    print(json.dumps({k: v for k, v in result.items() if k != "kernels"}))
+    print(f"{'us/layer':>9}{'calls':>7}  {'kind':<22} kernel")
+    for k in kernels[:30]:
+        print(f"{k['us_per_layer']:>9}{k['calls_per_layer']:>7}  {k['kind']:<22} {k['name'][:100]}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
