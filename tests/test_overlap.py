@@ -226,9 +226,9 @@ def test_overlap_is_checked_before_any_work(tmp_path):
     from components.errors import ConfigError
     from components.preflight import check_overlap
 
-    check_overlap("auto", 4)
+    check_overlap("off", 4)
     check_overlap("on", 1)
-    with pytest.raises(ConfigError, match=r"--overlap 'maybe': use one of auto, on, off"):
+    with pytest.raises(ConfigError, match=r"--overlap 'maybe': use one of off, on"):
         check_overlap("maybe", 1)
     with pytest.raises(ConfigError, match=r"--overlap on: a model copy of 2 ranks"):
         check_overlap("on", 2)
@@ -237,13 +237,83 @@ def test_overlap_is_checked_before_any_work(tmp_path):
     assert proc.returncode == 2 and "--overlap 'sometimes'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_auto_overlaps_on_a_gpu_copy_of_one_rank_only():
+def test_overlap_is_off_unless_asked_and_only_for_one_rank_copies():
     from components.jobconfig import JobConfig
     from pipeline.local import overlaps
 
     base = JobConfig(dataset="d", output="o", run_id="r")
-    assert overlaps(base, "cuda") and not overlaps(base, "cpu")
-    assert overlaps(base.replace(overlap="on"), "cpu")
-    assert not overlaps(base.replace(tensor_parallel_size=2), "cuda")
-    assert not overlaps(base.replace(overlap="off"), "cuda")
-    assert not overlaps(base.replace(ar_from_run="other"), "cuda")
+    assert not overlaps(base) and overlaps(base.replace(overlap="on"))
+    assert not overlaps(base.replace(overlap="on", tensor_parallel_size=2))
+    assert not overlaps(base.replace(overlap="on", ar_from_run="other"))
+
+
+# -- two threads, one process: compiled calls and side streams ------------------------------------
+def test_a_compiled_call_never_runs_while_another_thread_traces(monkeypatch):
+    """A call that compiles sets torch.fx's process-wide tracing flag while it traces; a compiled
+    call of another thread meanwhile raised ("symbolically trace a dynamo-optimized function") and
+    sent its shape to the plain path for good. The compiled regions run one thread at a time."""
+    import contextlib
+
+    import torch
+    import torch.fx._symbolic_trace as fx_trace
+
+    from components.engine.kernels import compiled, compiled_layers
+
+    def tracing_call(layer, x, cos, sin):  # a first call: it traces (compiles) for a while
+        fx_trace._is_fx_tracing_flag = True
+        time.sleep(0.2)
+        fx_trace._is_fx_tracing_flag = False
+        return x, x, x
+
+    def compiled_call(layer, x, out):  # a dynamo-optimized function refuses to run inside a trace
+        if fx_trace.is_fx_tracing():
+            raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function")
+        return x
+
+    class Layer:
+        @staticmethod
+        def cached_attention(q, k, v, mask, cache, index):
+            return q
+
+    # a decode step's regions (one token a row) call; a DiT step's (two tokens here) compile
+    fake = {True: (lambda layer, x, cos, sin: (x, x, x), compiled_call), False: (tracing_call, lambda l, x, o: x)}
+    monkeypatch.setattr(compiled_layers, "regions", lambda layer_type, decode=False: fake[decode])
+
+    def race() -> list[str]:
+        errors: list[str] = []
+        step, decode = torch.zeros(1, 2, 4), torch.zeros(1, 1, 4)
+
+        def tracer() -> None:
+            for _ in range(3):
+                compiled_layers.layer_step(Layer(), step, step, step, None, None, 0)
+
+        def caller() -> None:
+            end = time.monotonic() + 0.6
+            while time.monotonic() < end:
+                try:
+                    compiled_layers.layer_step(Layer(), decode, decode, decode, None, None, 0)
+                except RuntimeError as e:
+                    errors.append(str(e))
+                time.sleep(0.001)
+        threads = [threading.Thread(target=tracer), threading.Thread(target=caller)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return errors
+
+    assert race() == []
+    monkeypatch.setattr(compiled_layers, "COMPILED_CALLS", contextlib.nullcontext())  # the planted bug
+    assert any(compiled.NESTED_TRACE in e for e in race())
+
+
+def test_the_race_if_it_comes_costs_one_plain_call_not_a_fallback_for_good():
+    from components.engine import kernels
+
+    kernels.reset_fallbacks()
+
+    def fast():
+        raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function")
+
+    assert kernels.run_fast("compiled_layers", ("k",), fast, lambda: "plain") == "plain"
+    assert kernels.fallbacks() == 0 and kernels.run_fast("compiled_layers", ("k",), lambda: "fast", None) == "fast"

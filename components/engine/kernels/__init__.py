@@ -190,6 +190,10 @@ def run_fast(path: str, key, fast, plain, parallel=None):
         try:
             return fast()
         except Exception as e:  # noqa: BLE001 - kernel failures only, the rest is raised again
+            from .compiled import is_nested_trace
+
+            if is_nested_trace(e):
+                return plain()  # another thread was tracing: this call only, the fast path is not broken
             if not is_kernel_failure(e):
                 raise
             record_fallback(path, key, e)

@@ -112,7 +112,9 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMa
         # q, k, v are in the model dtype already; the engine's autocast adds nothing to the kernel
         # but is one more state the compiled graph depends on (pytorch#176025: autocast + flex ->
         # NoValidChoicesError, in the backward there)
-        with torch.autocast("cuda", enabled=False):
+        from .compiled import COMPILED_CALLS
+
+        with torch.autocast("cuda", enabled=False), COMPILED_CALLS:
             return _compiled(q, k, v, block_mask=mask, enable_gqa=True, **options)
     with warnings.catch_warnings():  # "called without torch.compile": intended off CUDA
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")

@@ -9,10 +9,26 @@ eagerly from then on; out of memory and other errors that are not the compiler's
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 
 import torch
+
+# Calls of compiled functions (here, the layer regions of compiled_layers.py, flex attention), one
+# thread at a time. A call that compiles sets torch.fx's process-wide tracing flag while it traces,
+# and a compiled call in another thread meanwhile fails ("Detected that you are using FX to
+# symbolically trace a dynamo-optimized function"): an overlapped job's AR and DiT threads hit it,
+# and it sent shapes to their plain paths for good (10 fallbacks, half-speed DiT steps). A call only
+# launches GPU work, so holding this for it keeps the GPU work of the two threads overlapping.
+COMPILED_CALLS = threading.RLock()
+NESTED_TRACE = "symbolically trace a dynamo-optimized function"  # the error, should it come anyway
+
+
+def is_nested_trace(error: BaseException) -> bool:
+    """Whether `error` is that race (another thread was tracing): a passing state, not a broken kernel."""
+    return isinstance(error, RuntimeError) and NESTED_TRACE in str(error)
+
 
 _compiled_fns: dict[Callable, Callable] = {}
 compile_failures: dict[str, str] = {}  # function name -> error; those run eagerly (same numbers, slower)
@@ -32,10 +48,13 @@ def call_compiled(fn: Callable, *args: torch.Tensor, dynamic: int = 1):
     for t in args[:dynamic]:
         torch._dynamo.maybe_mark_dynamic(t, 0)
     try:
-        return _compiled(fn)(*args)
+        with COMPILED_CALLS:
+            return _compiled(fn)(*args)
     except Exception as e:  # noqa: BLE001 - a compiler failure: the eager function computes the same
         from . import is_kernel_failure, record_fallback
 
+        if is_nested_trace(e):
+            return fn(*args)  # this call only: the function is not broken
         if not is_kernel_failure(e):
             raise
         compile_failures[fn.__name__] = f"{type(e).__name__}: {e}"[:500]

@@ -29,6 +29,7 @@ import torch
 
 from .. import kernels
 from .attention import allow_recompiles
+from .compiled import COMPILED_CALLS
 
 # graphs a compiled part may keep (one per bucket shape and batch: ~33 ratio buckets x CFG batch 1
 # or 2, and the prefill shapes of the step cache); dynamo's default is 8, and past the limit it runs
@@ -72,11 +73,13 @@ def layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
     if dynamic:
         for t in (x, cos, sin):
             torch._dynamo.maybe_mark_dynamic(t, 0 if decode else 1)
-    q, k, v = attention_inputs(layer, x, cos, sin)
+    with COMPILED_CALLS:
+        q, k, v = attention_inputs(layer, x, cos, sin)
     out = layer.cached_attention(q, k, v, mask, cache, index)
     if dynamic:
         torch._dynamo.maybe_mark_dynamic(out, 0 if decode else 2)
-    return finish(layer, x, out)
+    with COMPILED_CALLS:
+        return finish(layer, x, out)
 
 
 def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache,

@@ -24,6 +24,7 @@ rounds them to bf16 for its batched matmul).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -92,7 +93,9 @@ def moe_fused(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_g
 
 
 # -- the shared expert beside the routed ones -----------------------------------------------------
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+# per device and thread: an overlapped job's AR and DiT threads each have their own (a shared one would
+# chain each thread's stream to the other's work)
+_side_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 SIDE_STREAM_MIN_TOKENS = 1024  # below this (decode) the stream switches cost more than they hide
 
 
@@ -106,9 +109,10 @@ def start_on_side_stream(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Te
         out = fn(x)
         return lambda: out
     main = torch.cuda.current_stream(x.device)
-    side = _side_streams.get(x.device)
+    key = (x.device, threading.get_ident())
+    side = _side_streams.get(key)
     if side is None:
-        side = _side_streams[x.device] = torch.cuda.Stream(x.device)
+        side = _side_streams[key] = torch.cuda.Stream(x.device, priority=main.priority)
     side.wait_stream(main)  # x is ready
     with torch.cuda.stream(side):
         out = fn(x)
