@@ -32,6 +32,26 @@ from components.engine.kernels import settings  # noqa: E402
 from components.engine.kernels.decode import StaticDecoder  # noqa: E402
 
 
+def kernel_rows(prof, per_layer: int) -> list[dict]:
+    """A torch.profiler run's kernels, most device time first: name, microseconds and calls per layer."""
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    return [{"name": e.key[:140], "us_per_layer": round(e.self_device_time_total / per_layer, 2),
+             "calls_per_layer": round(e.count / per_layer, 2)} for e in events]
+
+
+def report(result: dict, out: str, top: int = 40, kind: bool = False) -> None:
+    """Print the result (without its kernels) and a table of its first `top` kernels; write it as JSON."""
+    kernels = result["kernels"]
+    print(json.dumps({k: v for k, v in result.items() if k != "kernels"}))
+    print(f"{'us/layer':>9}{'calls':>7}  " + (f"{'kind':<22} " if kind else "") + "kernel")
+    for k in kernels[:top]:
+        print(f"{k['us_per_layer']:>9}{k['calls_per_layer']:>7}  " + (f"{k['kind']:<22} " if kind else "")
+              + k["name"][:100])
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
+
+
 def pool_lengths(rows: int, span: int, seed: int = 0) -> list[int]:
     """Mixed row lengths of the scheduler's pool; 0 marks a free slot."""
     gen = torch.Generator().manual_seed(seed)
@@ -79,11 +99,7 @@ def main() -> int:
             torch.cuda.synchronize()
     mean_kv = sum(lengths[i] for i in live) / len(live)
     floor_ms = args.layers * floor_bytes(model, len(live), int(mean_kv)) / bandwidth * 1e3
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    per_layer = runs * args.layers
-    kernels = [{"name": e.key[:120], "us_per_layer": round(e.self_device_time_total / per_layer, 2),
-                "calls_per_layer": round(e.count / per_layer, 2)} for e in events]
+    kernels = kernel_rows(prof, runs * args.layers)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
               "settings": settings().describe(),
               "rows": args.rows, "live_rows": len(live), "span": span, "mean_kv": round(mean_kv, 1),
@@ -92,12 +108,7 @@ def main() -> int:
               "floor_ms_per_layer": round(floor_ms / args.layers, 4),
               "graph_pct_of_floor": round(100 * floor_ms / graph_ms, 1),
               "kernel_us_per_layer_total": round(sum(k["us_per_layer"] for k in kernels), 1), "kernels": kernels}
-    print(json.dumps({k: v for k, v in result.items() if k != "kernels"}))
-    print(f"{'us/layer':>9}{'calls':>7}  kernel")
-    for k in kernels[:40]:
-        print(f"{k['us_per_layer']:>9}{k['calls_per_layer']:>7}  {k['name'][:110]}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    report(result, args.out)
     return 0
 
 

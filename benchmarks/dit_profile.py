@@ -25,14 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.decode_profile import kernel_rows, report  # noqa: E402
 from benchmarks.engine_layers import cuda_time  # noqa: E402
 from components.engine.config import get_config  # noqa: E402
 from components.engine.engine import build_model_fp8  # noqa: E402
 from components.engine.transformer import HeadMask  # noqa: E402
 
-KINDS = [  # kernel name pattern -> kind (first match wins)
-    ("gemm", r"gemm|cutlass|sm90|matmul|_mm|wgmma|fp8_grouped|grouped"),
+KINDS = [  # kernel name pattern -> kind (first match wins: cuDNN's attention kernels name sm90 too)
     ("attention", r"flash|fmha|attention|sdpa|flex"),
+    ("gemm", r"gemm|cutlass|nvjet|sm90|matmul|wgmma|fp8_grouped"),
+    ("quantize / swiglu", r"scaled_(grouped_)?mm|amax"),
     ("moe routing", r"topk|sort|scatter|gather|index|cumsum|histc|bincount|radix|argsort"),
     ("norms / rope / casts", r"norm|rsqrt|rope|pow|mean|triton_(poi|red|per)"),
 ]
@@ -113,11 +115,7 @@ def main() -> int:
     flops = step_flops(cfg, batch * t, args.prefix + t)
     per_layer_ms = ms / args.layers
     total = sum(flops.values())
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    scale = runs * args.layers
-    kernels = [{"name": e.key[:140], "kind": kind_of(e.key), "us_per_layer": round(e.self_device_time_total / scale, 1),
-                "calls_per_layer": round(e.count / scale, 2)} for e in events]
+    kernels = [{**k, "kind": kind_of(k["name"])} for k in kernel_rows(prof, runs * args.layers)]
     kinds: dict[str, float] = {}
     for k in kernels:
         kinds[k["kind"]] = round(kinds.get(k["kind"], 0.0) + k["us_per_layer"], 1)
@@ -130,12 +128,7 @@ def main() -> int:
               "flops_by_part": {k: round(v / 1e12, 3) for k, v in flops.items()},
               "kernel_us_per_layer_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
               "kernels": kernels}
-    print(json.dumps({k: v for k, v in result.items() if k != "kernels"}))
-    print(f"{'us/layer':>9}{'calls':>7}  {'kind':<22} kernel")
-    for k in kernels[:30]:
-        print(f"{k['us_per_layer']:>9}{k['calls_per_layer']:>7}  {k['kind']:<22} {k['name'][:100]}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    report(result, args.out, top=30, kind=True)
     return 0
 
 
