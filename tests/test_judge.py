@@ -64,6 +64,23 @@ def test_caption_scene_passes_and_changed_scene_fails(seed):
         assert not verdict.passed, (sample.caption(changed), verdict.detail)
 
 
+def test_caption_names_the_sun_or_moons_place():
+    """Each caption says where its disc is (five columns, high or low), so a caption does not ask for
+    a small disc anywhere in the sky; every place word occurs over a few hundred scenes."""
+    rng = random.Random("judge-place")
+    seen = set()
+    for _ in range(300):
+        scene = sample.random_caption_scene(rng)
+        place = sample.sky_place(scene)
+        assert f"{'a sun' if scene.celestial == 'sun' else 'a crescent moon'} {place}" in sample.caption(scene)
+        assert place.startswith("high" if scene.sun_y < sample.SKY_HIGH_BELOW else "low")
+        seen.add(place)
+    assert seen == {f"{h} {c}" for h in ("high", "low") for _, c in sample.SKY_COLUMNS}
+    left = dataclasses.replace(scene, sun_x=0.16, sun_y=0.15)
+    right = dataclasses.replace(scene, sun_x=0.84, sun_y=0.40)
+    assert sample.sky_place(left) == "high on the far left" and sample.sky_place(right) == "low on the far right"
+
+
 def test_caption_missing_shape_colour_fails():
     rng = random.Random("judge-shapes")
     scene = sample.random_caption_scene(rng)

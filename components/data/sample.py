@@ -215,10 +215,26 @@ def draw_scene(size: int, rng: random.Random) -> bytes:
 
 
 # -- words ----------------------------------------------------------------------------------------
+# Where the sun or moon is, in words: five columns over sun_x's range (0.15-0.85) and two rows split
+# at sun_y's median. A caption that leaves the disc's place open asks a model for a small object
+# anywhere in a 2-D region, whose mean over the places (what a model predicts from pure noise) is
+# no disc at all; the words narrow the place to a cell about one sun wide.
+SKY_COLUMNS = ((0.29, "on the far left"), (0.43, "on the left"), (0.57, "in the middle"), (0.71, "on the right"),
+               (2.0, "on the far right"))
+SKY_HIGH_BELOW = 0.27  # sun_y (fraction of the height, from the top) below it: "high", else "low"
+
+
+def sky_place(scene: Scene) -> str:
+    """The sun's or moon's rough place: "high on the far left", "low in the middle", ..."""
+    column = next(words for edge, words in SKY_COLUMNS if scene.sun_x < edge)
+    return f"{'high' if scene.sun_y < SKY_HIGH_BELOW else 'low'} {column}"
+
+
 def caption(scene: Scene) -> str:
-    """The scene in words: sky, sun or moon, light, ground, the shapes left to right, extras."""
+    """The scene in words: sky, sun or moon and its rough place, light, ground, the shapes left to
+    right, extras."""
     light = " at sunset" if scene.sunset else ""
-    body = "a sun" if scene.celestial == "sun" else "a crescent moon"
+    body = ("a sun" if scene.celestial == "sun" else "a crescent moon") + " " + sky_place(scene)
     shapes = [f"a {s.color} {s.kind}" for s in sorted(scene.shapes, key=lambda s: s.x)]
     listed = shapes[0] if len(shapes) == 1 else ", ".join(shapes[:-1]) + " and " + shapes[-1] if shapes else "no shapes"
     text = f"a {scene.sky} sky with {body}{light}, {scene.ground} ground, {listed}"

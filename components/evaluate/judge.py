@@ -9,8 +9,9 @@ caption was drawn from), so an output is scored two ways:
   the red shapes, ...): the output must be nearer the target than the source there, and the kind's
   own property must hold (purple sky hue, white ground, grey levels, the named shape's colour, the
   shape gone, the sun's shape, ...). The unedited source fails every check by construction.
-  For a caption (text to image) the layout is free, so the checks read what the caption names:
-  the sky colour, sun or moon, the ground, and each named shape colour.
+  For a caption (text to image) the layout is free (a caption names the sun's rough place, which is
+  not checked), so the checks read what the caption names: the sky colour, sun or moon, the ground,
+  and each named shape colour.
 
 `passed` is the semantic check; PSNR / SSIM are reported beside it (for captions they compare with
 one of many layouts the caption allows, so they are no gate there).
