@@ -16,7 +16,11 @@ One command (on one GPU about 9 minutes; the CPU runs it too, slowly):
    sequence, cross-entropy on the assistant's text (CoT, tags, ratio token) and the flow-matching
    velocity MSE on the generated image's tokens (x_t = (1 - s) x0 + s noise, target noise - x0,
    s on the inference schedule's shift); a share of rows takes the unconditional row (`<cfg>` for
-   the user text and CoT), so classifier-free guidance has a learned uncond.
+   the user text and CoT), so classifier-free guidance has a learned uncond. A step never waits
+   for the GPU (until a log line every 200 steps): indices and flow times are drawn on the host
+   and copied from pinned memory without a sync, the token tensors live on the device, and the
+   experts run densely (`--moe dense`; `--moe loop` is the engine's per-expert loop, whose
+   `nonzero` syncs once per expert and layer).
 4. the checkpoint in the official layout (config.json, sharded safetensors in float16,
    generation_config.json, tokenizer, system_prompt.py) plus train_meta.json (seeds,
    hyper-parameters, steps, losses, the command).
@@ -76,6 +80,8 @@ class Settings:
     resume: str = ""  # a checkpoint directory: keep its VAE and go on training its transformer
     amp: int = 1  # bfloat16 autocast
     total_minutes: float = 0.0  # > 0: the transformer stops early so that the whole run ends in time
+    moe: str = "dense"  # training's expert path: dense (every expert on every token, weighted by the
+    # routing, no host syncs) | loop (the engine's per-expert loop, a `nonzero` sync per expert)
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -145,8 +151,7 @@ def make_example(index: int, edit_share: float, seed: int, system: str) -> dict:
         "target": _fit(sample.render(target, VAE_RENDER)),
         "has_cond": src_image is not None,
         "cond_t": -1, "cond_start": -1, "vit_start": -1,
-        "source": np.zeros((spec.BASE_SIZE, spec.BASE_SIZE, 3), np.uint8),
-        "vit": np.zeros((3, spec.BASE_SIZE, spec.BASE_SIZE), np.uint8),
+        "source": None, "vit": None,  # captions have no conditioning image
     }
     if src_image is not None:
         slot = seq.cond_images[0]
@@ -190,8 +195,13 @@ def build_dataset(settings: Settings, tokenizer_file: str) -> dict[str, torch.Te
     data["length"] = torch.tensor([len(r["cond_ids"]) for r in rows], dtype=torch.long)
     data["has_cond"] = torch.tensor([r["has_cond"] for r in rows], dtype=torch.bool)
     data["target"] = torch.from_numpy(np.stack([r["target"] for r in rows])).permute(0, 3, 1, 2).contiguous()
-    data["source"] = torch.from_numpy(np.stack([r["source"] for r in rows])).permute(0, 3, 1, 2).contiguous()
-    data["vit"] = torch.from_numpy(np.stack([r["vit"] for r in rows]))
+    # the edits' conditioning images only (captions have none): row cond_index[i] of source / vit
+    edits = [r for r in rows if r["has_cond"]]
+    data["cond_index"] = torch.cumsum(data["has_cond"].long(), 0) - 1
+    data["cond_index"][~data["has_cond"]] = -1
+    empty = np.zeros((0, spec.BASE_SIZE, spec.BASE_SIZE, 3), np.uint8)
+    data["source"] = torch.from_numpy(np.stack([r["source"] for r in edits]) if edits else empty).permute(0, 3, 1, 2).contiguous()
+    data["vit"] = torch.from_numpy(np.stack([r["vit"] for r in edits]) if edits else empty.transpose(0, 3, 1, 2))
     return data
 
 
@@ -227,7 +237,7 @@ def vae_decode(vae, z: torch.Tensor) -> torch.Tensor:
 
 def train_vae(vae, data, settings: Settings, log) -> dict:
     device = settings.device
-    images = torch.cat([data["target"], data["source"][data["has_cond"]]])
+    images = torch.cat([data["target"], data["source"]])
     opt = torch.optim.AdamW(vae.parameters(), lr=settings.vae_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(settings.seed + 1)
     t0, step, losses = time.time(), 0, []
@@ -263,6 +273,9 @@ def train_vae(vae, data, settings: Settings, log) -> dict:
 @torch.no_grad()
 def encode_all(vae, pixels: torch.Tensor, device: str, batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     means, stds = [], []
+    if not pixels.shape[0]:  # no edits, so no conditioning images: empty latents of the right shape
+        mean, _ = vae_moments(vae, torch.zeros((1, *pixels.shape[1:]), device=device))
+        return mean[:0].float(), mean[:0].float()
     for i in range(0, pixels.shape[0], batch):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
             mean, logvar = vae_moments(vae, to_unit(pixels[i:i + batch]).to(device))
@@ -275,7 +288,8 @@ def encode_all(vae, pixels: torch.Tensor, device: str, batch: int = 256) -> tupl
 def moe_loop_autocast(x, weights, experts, w_gate_up, w_down):
     """transformer.moe_loop's math (one GEMM pair per expert, then `_combine`), written so that
     autograd and mixed precision work: the engine's version fills a preallocated buffer in place,
-    whose dtype must equal the GEMMs' (not so under autocast)."""
+    whose dtype must equal the GEMMs' (not so under autocast). Each expert's `nonzero` waits for
+    the GPU (`--moe loop`)."""
     from components.engine.transformer import _combine, _swiglu
 
     n, k = experts.shape
@@ -288,76 +302,162 @@ def moe_loop_autocast(x, weights, experts, w_gate_up, w_down):
     return _combine(per_slot, weights)
 
 
-def forward_batch(model, batch: dict, latents: dict, settings: Settings, gen: torch.Generator):
-    """(velocity MSE, text CE) of one batch: the engine's embeddings and layers over whole sequences."""
+def moe_dense_autocast(x, weights, experts, w_gate_up, w_down):
+    """The same routed output as `moe_loop_autocast` (sum over a token's k experts of weight x
+    expert(x)), with every expert run on every token and weight 0 for the experts it was not
+    routed to: twice the routed GEMMs of top-2 of 4 experts, but static shapes and no `nonzero`, so
+    the host never waits for the GPU (`--moe dense`, the default). Weights and the sum in float32,
+    as `_combine`."""
+    from components.engine.transformer import _swiglu
+
+    n, k = experts.shape
+    num, inter2, hidden = w_gate_up.shape
+    gate = torch.zeros(n, num, dtype=torch.float32, device=x.device).scatter_add(1, experts, weights.float())
+    h = (x @ w_gate_up.reshape(num * inter2, hidden).T).view(n, num, inter2)  # one GEMM for all experts
+    y = torch.einsum("nei,ehi->neh", _swiglu(h), w_down)
+    return (y.float() * gate.unsqueeze(-1)).sum(1)
+
+
+class Staged:
+    """Host tensors -> the device without waiting for it: pinned, then a non-blocking copy (a
+    plain `.to(cuda)` of pageable memory synchronises the stream, once per tensor per step)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.cuda = device.startswith("cuda")
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t.to(self.device)
+
+
+_VIT_MASK = {"none": True}  # False once a transformers version refused pixel_attention_mask=None
+
+
+def vit_forward(model, patches: torch.Tensor) -> torch.Tensor:
+    """The ViT on [B, 64, 768] patches of 8 x 8 grids: without a padding mask (none is padded; a
+    mask of ones makes transformers test `mask.all()`, a host sync) and with the spatial shapes made
+    on the device."""
+    b = patches.shape[0]
+    spatial = torch.full((b, 2), 8, dtype=torch.long, device=patches.device)
+    if _VIT_MASK["none"]:
+        try:
+            return model.vision_model(pixel_values=patches, pixel_attention_mask=None,
+                                      spatial_shapes=spatial).last_hidden_state
+        except (TypeError, AttributeError, ValueError):
+            _VIT_MASK["none"] = False
+    mask = torch.ones(patches.shape[:2], dtype=torch.long, device=patches.device)
+    return model.vision_model(pixel_values=patches, pixel_attention_mask=mask, spatial_shapes=spatial).last_hidden_state
+
+
+DEVICE_KEYS = ("cond_ids", "uncond_ids", "blocks", "positions", "vit")  # indexed on the device every step
+
+
+def device_data(data: dict, device: str) -> dict:
+    """The per-token tensors and the ViT pixels moved to the device once (the rest stays on the host,
+    where the batch's index arithmetic runs without waiting for the GPU)."""
+    return {k: data[k].to(device) for k in DEVICE_KEYS}
+
+
+def sample_batch(data: dict, on_device: dict, latents: dict, idx: torch.Tensor, settings: Settings,
+                 gen: torch.Generator, stage: Staged) -> dict:
+    """One batch (rows `idx`, host indices): every index and random draw made on the host (the
+    `--seed`'s generator), then copied without a sync; the device tensors indexed on the device."""
+    b = idx.shape[0]
+    length = int(data["length"][idx].max())
+    idx_d = stage(idx)
+    uncond = torch.rand(b, generator=gen) < settings.uncond_share
+    has_cond = data["has_cond"][idx]
+    cond = has_cond.nonzero(as_tuple=True)[0]  # host: batch rows with a conditioning image
+    compact = data["cond_index"][idx[cond]]  # their rows in source / vit
+    u = torch.rand(b, generator=gen)
+    s = settings.flow_shift
+    sigma = s * u / (1 + (s - 1) * u)
+    text_mask = data["text_mask"][idx, :length] & ~uncond[:, None]
+    tb, tp = text_mask.nonzero(as_tuple=True)  # host: the text positions the CE reads
+    return {
+        "b": b, "length": length, "n_cond": int(cond.numel()), "n_text": int(tb.numel()),
+        "uncond": stage(uncond),
+        "cond_ids": on_device["cond_ids"][idx_d, :length], "uncond_ids": on_device["uncond_ids"][idx_d, :length],
+        "blocks": on_device["blocks"][idx_d, :length], "positions": on_device["positions"][idx_d, :length],
+        "cond": cond, "cond_d": stage(cond), "compact_d": stage(compact),
+        "cond_t": data["cond_t"][idx[cond]], "cond_start": data["cond_start"][idx[cond]],
+        "vit_start": data["vit_start"][idx[cond]],
+        "gen_t": data["gen_t"][idx], "gen_start": data["gen_start"][idx],
+        "gen_pos": stage(data["gen_start"][idx][:, None] + torch.arange(64)),
+        "sigma": stage(sigma), "tb": stage(tb), "tp": stage(tp),
+        "idx_d": idx_d,
+    }
+
+
+def forward_batch(model, batch: dict, on_device: dict, latents: dict, settings: Settings, noise_gen):
+    """(velocity MSE, text CE) of one batch (`sample_batch`): the engine's embeddings and layers
+    over whole sequences. No step of it waits for the GPU (`--moe dense`)."""
     from components.engine.transformer import visible
 
     device = settings.device
-    ids_c, ids_u = batch["cond_ids"], batch["uncond_ids"]
-    b, length = ids_c.shape
-    uncond = torch.rand(b, generator=gen) < settings.uncond_share
-    ids = torch.where(uncond[:, None], ids_u, ids_c).to(device)
+    b, length = batch["b"], batch["length"]
+    ids = torch.where(batch["uncond"][:, None], batch["uncond_ids"], batch["cond_ids"])
     x = model.embed_ids(ids)
     rows_b, rows_p, values = [], [], []
 
-    def put(rows: torch.Tensor, starts: torch.Tensor, vals: torch.Tensor) -> None:
+    def put(rows: torch.Tensor, starts: torch.Tensor, vals: torch.Tensor) -> None:  # host indices
         n = vals.shape[1]
         rows_b.append(rows.repeat_interleave(n))
         rows_p.append((starts[:, None] + torch.arange(n)).reshape(-1))
         values.append(vals.reshape(-1, vals.shape[-1]))
 
-    cond = batch["has_cond"].nonzero(as_tuple=True)[0]
-    if cond.numel():
-        zero = torch.zeros(cond.numel(), device=device)
-        put(cond, batch["cond_t"][cond], model.timestep_tokens(zero)[:, None])
-        mean, std = latents["source_mean"][cond], latents["source_std"][cond]
-        z = (mean + std * torch.randn(mean.shape, generator=gen).to(device) - latents["shift"]) * latents["scale"]
-        put(cond, batch["cond_start"][cond], model.image_tokens(z, zero))
-        patches = vit_patches(batch["vit"][cond]).to(device)
-        vit_out = model.vision_model(pixel_values=patches,
-                                     pixel_attention_mask=torch.ones(patches.shape[:2], dtype=torch.long, device=device),
-                                     spatial_shapes=torch.tensor([[8, 8]] * cond.numel(), device=device))
-        put(cond, batch["vit_start"][cond], model.vision_aligner(vit_out.last_hidden_state))
+    if batch["n_cond"]:
+        cond, compact = batch["cond"], batch["compact_d"]
+        zero = torch.zeros(batch["n_cond"], device=device)
+        put(cond, batch["cond_t"], model.timestep_tokens(zero)[:, None])
+        mean, std = latents["source_mean"][compact], latents["source_std"][compact]
+        eps = torch.randn(mean.shape, generator=noise_gen, device=device)
+        z = (mean + std * eps - latents["shift"]) * latents["scale"]
+        put(cond, batch["cond_start"], model.image_tokens(z, zero))
+        patches = vit_patches(on_device["vit"][compact])
+        put(cond, batch["vit_start"], model.vision_aligner(vit_forward(model, patches)))
     # the generated image: a point on the flow from the target latents to noise
-    x0 = (latents["target_mean"] - latents["shift"]) * latents["scale"]
-    u = torch.rand(b, generator=gen)
-    s = settings.flow_shift
-    sigma = (s * u / (1 + (s - 1) * u)).to(device)
-    noise = torch.randn(x0.shape, generator=gen).to(device)
+    x0 = (latents["target_mean"][batch["idx_d"]] - latents["shift"]) * latents["scale"]
+    sigma = batch["sigma"]
+    noise = torch.randn(x0.shape, generator=noise_gen, device=device)
     xt = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise
     t = sigma * 1000
     all_rows = torch.arange(b)
     put(all_rows, batch["gen_t"], model.timestep_tokens(t)[:, None])
     put(all_rows, batch["gen_start"], model.image_tokens(xt, t))
-    bi, pi = torch.cat(rows_b).to(device), torch.cat(rows_p).to(device)
+    stage = Staged(device)
+    bi, pi = stage(torch.cat(rows_b)), stage(torch.cat(rows_p))
     x = x.index_put((bi, pi), torch.cat(values).to(x.dtype))
 
     slots = torch.arange(length, device=device)
-    blocks = batch["blocks"].to(device)
+    blocks = batch["blocks"]
     mask = visible(slots.view(1, -1, 1), slots.view(1, 1, -1), blocks[:, :, None], blocks[:, None, :]).unsqueeze(1)
-    hidden = model.forward_layers(x, batch["positions"].to(device), mask, None)
+    hidden = model.forward_layers(x, batch["positions"], mask, None)
 
-    gen_pos = (batch["gen_start"][:, None] + torch.arange(64)).to(device)
-    image_hidden = hidden[torch.arange(b, device=device)[:, None], gen_pos]
+    image_hidden = hidden[torch.arange(b, device=device)[:, None], batch["gen_pos"]]
     pred = model.image_output(image_hidden, t, 8, 8).float()
     mse = F.mse_loss(pred, noise - x0)
 
-    text_mask = batch["text_mask"].to(device) & ~uncond.to(device)[:, None]
-    tb, tp = text_mask.nonzero(as_tuple=True)
+    tb, tp = batch["tb"], batch["tp"]
     logits = model.text_logits(hidden[tb, tp])
-    ce = F.cross_entropy(logits, ids[tb, tp + 1]) if tb.numel() else mse.new_zeros(())
+    ce = F.cross_entropy(logits, ids[tb, tp + 1]) if batch["n_text"] else mse.new_zeros(())
     return mse, ce
 
 
 def train_transformer(model, data, latents, settings: Settings, log) -> dict:
     device = settings.device
-    params = [p for name, p in model.named_parameters() if not name.startswith("vae.")]
+    cuda = device.startswith("cuda")
+    named = [(name, p) for name, p in model.named_parameters() if not name.startswith("vae.")]
+    params = [p for _, p in named]
     decay = [p for p in params if p.ndim >= 2]
     other = [p for p in params if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
-                            lr=settings.dit_lr, betas=(0.9, 0.98))
-    ema = {name: p.detach().clone() for name, p in model.named_parameters() if not name.startswith("vae.")}
-    gen = torch.Generator().manual_seed(settings.seed + 2)
+                            lr=settings.dit_lr, betas=(0.9, 0.98), **({"fused": True} if cuda else {}))
+    ema = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(settings.seed + 2)  # batches, uncond rows, flow times (host)
+    noise_gen = torch.Generator(device=device).manual_seed(settings.seed + 3)  # latent noise (device)
+    stage = Staged(device)
+    on_device = device_data(data, device)
     n = data["cond_ids"].shape[0]
     t0, step, history = time.time(), 0, []
     budget = settings.dit_minutes * 60
@@ -373,14 +473,9 @@ def train_transformer(model, data, latents, settings: Settings, log) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr
         idx = torch.randint(0, n, (settings.dit_batch,), generator=gen)
-        batch = {k: v[idx] for k, v in data.items() if k not in ("target", "source")}
-        lat = {"source_mean": latents["source_mean"][idx.to(latents["source_mean"].device)],
-               "source_std": latents["source_std"][idx.to(latents["source_std"].device)],
-               "target_mean": latents["target_mean"][idx.to(latents["target_mean"].device)],
-               "shift": latents["shift"], "scale": latents["scale"]}
-        length = int(batch["length"].max())
+        batch = sample_batch(data, on_device, latents, idx, settings, gen, stage)
         with autocast(settings):
-            mse, ce = forward_batch(model, _trim(batch, length), lat, settings, gen)
+            mse, ce = forward_batch(model, batch, on_device, latents, settings, noise_gen)
         loss = mse + settings.text_weight * ce
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -388,29 +483,22 @@ def train_transformer(model, data, latents, settings: Settings, log) -> dict:
         opt.step()
         with torch.no_grad():
             decay_rate = min(settings.ema, (1 + step) / (10 + step))
-            for name, p in model.named_parameters():
-                if name in ema:
-                    ema[name].lerp_(p.detach(), 1 - decay_rate)
-        history.append((mse.item(), ce.item()))
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay_rate)
+        history.append(torch.stack([mse.detach(), ce.detach()]))  # read back every 200 steps only
         if step % 200 == 0:
-            m, c = np.mean(history[-200:], axis=0)
-            log(f"dit step {step} mse {m:.4f} ce {c:.4f} lr {lr:.2e} ({time.time() - t0:.0f} s)")
+            m, c = torch.stack(history[-200:]).float().mean(0).tolist()
+            log(f"dit step {step} mse {m:.4f} ce {c:.4f} lr {lr:.2e} ({time.time() - t0:.0f} s, "
+                f"{(step + 1) * settings.dit_batch / max(1e-9, time.time() - t0):.0f} samples/s)")
+            history = history[-200:]
         step += 1
     with torch.no_grad():  # the EMA weights are the checkpoint's
-        for name, p in model.named_parameters():
-            if name in ema:
-                p.copy_(ema[name])
+        for p, e in zip(params, ema, strict=True):
+            p.copy_(e)
     model.eval()
-    tail = np.mean(history[-200:], axis=0) if history else (None, None)
-    return {"dit_steps": step, "dit_final_mse": float(tail[0]), "dit_final_ce": float(tail[1]),
-            "dit_seconds": round(time.time() - t0, 1)}
-
-
-def _trim(batch: dict, length: int) -> dict:
-    out = dict(batch)
-    for key in ("cond_ids", "uncond_ids", "blocks", "text_mask", "positions"):
-        out[key] = batch[key][:, :length]
-    return out
+    tail = torch.stack(history[-200:]).float().mean(0).tolist() if history else (None, None)
+    seconds = time.time() - t0
+    return {"dit_steps": step, "dit_final_mse": tail[0], "dit_final_ce": tail[1],
+            "dit_seconds": round(seconds, 1), "dit_samples_per_s": round(step * settings.dit_batch / max(seconds, 1e-9), 1)}
 
 
 # -- the checkpoint -------------------------------------------------------------------------------
@@ -459,8 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("ARDIT_KERNELS", "plain")
     import components.engine.transformer as transformer_module
 
-    MoE.impl = "loop"  # the reference expert path, with autograd and autocast (moe_loop_autocast)
-    transformer_module.moe_loop = moe_loop_autocast
+    # the engine's loop path with training's expert function (autograd, autocast): moe_dense_autocast
+    # (no host syncs) or moe_loop_autocast (the reference, a sync per expert)
+    MoE.impl = "loop"
+    transformer_module.moe_loop = {"dense": moe_dense_autocast, "loop": moe_loop_autocast}[settings.moe]
+    # transformers' input checks on the ViT's spatial shapes read a GPU tensor back every step
+    os.environ.setdefault("TRANSFORMERS_DISABLE_TORCH_CHECK", "1")
     config = spec.demo_config()
     backend = spec.build_tokenizer()
     out.mkdir(parents=True, exist_ok=True)
