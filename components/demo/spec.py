@@ -16,7 +16,7 @@ from components.engine.generation_config import GenerationConfig
 
 BASE_SIZE = 128
 VOCAB_SIZE = 768  # the BPE target; the trained vocabulary is smaller
-CONFIG_VOCAB = 576  # >= the trained tokenizer's 557 tokens
+CONFIG_VOCAB = 576  # >= the trained tokenizers' tokens (557 in the shipped one; 571 built from today's corpus)
 EXTRA_SPECIAL_TOKENS = [f"<img_size_{BASE_SIZE}>"]  # the tiny vocabulary has sizes 256 / 512 / 1024 only
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "engine" / "assets" / "demo"

@@ -20,7 +20,8 @@ One command (on one GPU about 9 minutes; the CPU runs it too, slowly):
    for the GPU (until a log line every 200 steps): indices and flow times are drawn on the host
    and copied from pinned memory without a sync, the token tensors live on the device, and the
    experts run densely (`--moe dense`; `--moe loop` is the engine's per-expert loop, whose
-   `nonzero` syncs once per expert and layer).
+   `nonzero` syncs once per expert and layer). `--resume DIR` goes on from a checkpoint with its
+   VAE and its tokenizer (token ids must stay those its embeddings learned).
 4. the checkpoint in the official layout (config.json, sharded safetensors in float16,
    generation_config.json, tokenizer, system_prompt.py) plus train_meta.json (seeds,
    hyper-parameters, steps, losses, the command).
@@ -554,16 +555,28 @@ def main(argv: list[str] | None = None) -> int:
     # transformers' input checks on the ViT's spatial shapes read a GPU tensor back every step
     os.environ.setdefault("TRANSFORMERS_DISABLE_TORCH_CHECK", "1")
     config = spec.demo_config()
-    backend = spec.build_tokenizer()
+    if settings.resume:
+        # the checkpoint's own tokenizer: its embeddings belong to those ids (a BPE rebuilt from
+        # today's corpus would give other ids once the corpus's wording changed; byte-level BPE
+        # encodes new words too)
+        from tokenizers import Tokenizer as HFTokenizer
+
+        backend = HFTokenizer.from_file(str(Path(settings.resume) / "tokenizer.json"))
+    else:
+        backend = spec.build_tokenizer()
+    if backend.get_vocab_size() > config.vocab_size:
+        raise SystemExit(f"the tokenizer has {backend.get_vocab_size()} tokens, the config {config.vocab_size}")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_file = str(out / "tokenizer.json")
     backend.save(tokenizer_file)
-    log(f"tokenizer: {backend.get_vocab_size()} tokens; building {settings.examples} examples")
+    log(f"tokenizer: {backend.get_vocab_size()} tokens ({'from ' + settings.resume if settings.resume else 'built'}); "
+        f"building {settings.examples} examples")
     data = build_dataset(settings, tokenizer_file)
     log(f"data: {tuple(data['cond_ids'].shape)} tokens, {int(data['has_cond'].sum())} edits")
 
     model = HunyuanImage3ForCausalMM(config).float().to(settings.device)
     meta: dict = {"settings": asdict(settings), "torch": torch.__version__,
+                  "tokenizer": f"{settings.resume}/tokenizer.json" if settings.resume else "spec.build_tokenizer()",
                   "device": torch.cuda.get_device_name() if settings.device.startswith("cuda") else "cpu"}
     if settings.resume:
         load_pretrained(model, settings.resume)
