@@ -311,7 +311,7 @@ def moe_dense_autocast(x, weights, experts, w_gate_up, w_down):
     as `_combine`."""
     from components.engine.transformer import _swiglu
 
-    n, k = experts.shape
+    n = experts.shape[0]
     num, inter2, hidden = w_gate_up.shape
     gate = torch.zeros(n, num, dtype=torch.float32, device=x.device).scatter_add(1, experts, weights.float())
     h = (x @ w_gate_up.reshape(num * inter2, hidden).T).view(n, num, inter2)  # one GEMM for all experts
