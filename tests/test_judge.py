@@ -65,14 +65,17 @@ def test_caption_scene_passes_and_changed_scene_fails(seed):
 
 
 def test_caption_names_the_sun_or_moons_place():
-    """Each caption says where its disc is (five columns, high or low), so a caption does not ask for
-    a small disc anywhere in the sky; every place word occurs over a few hundred scenes."""
+    """With places on, each caption says where its disc is (five columns, high or low), so a caption
+    does not ask for a small disc anywhere in the sky; every place word occurs over a few hundred scenes."""
     rng = random.Random("judge-place")
     seen = set()
     for _ in range(300):
         scene = sample.random_caption_scene(rng)
         place = sample.sky_place(scene)
-        assert f"{'a sun' if scene.celestial == 'sun' else 'a crescent moon'} {place}" in sample.caption(scene)
+        body = "a sun" if scene.celestial == "sun" else "a crescent moon"
+        assert f"{body} {place}" in sample.caption(scene, places=True)
+        # the shipped checkpoint learned captions without the place: off by default until it is retrained
+        assert place not in sample.caption(scene) and sample.caption(scene).startswith(f"a {scene.sky} sky with {body}")
         assert place.startswith("high" if scene.sun_y < sample.SKY_HIGH_BELOW else "low")
         seen.add(place)
     assert seen == {f"{h} {c}" for h in ("high", "low") for _, c in sample.SKY_COLUMNS}

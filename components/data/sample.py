@@ -222,6 +222,10 @@ def draw_scene(size: int, rng: random.Random) -> bytes:
 SKY_COLUMNS = ((0.29, "on the far left"), (0.43, "on the left"), (0.57, "in the middle"), (0.71, "on the right"),
                (2.0, "on the far right"))
 SKY_HIGH_BELOW = 0.27  # sun_y (fraction of the height, from the top) below it: "high", else "low"
+# Whether captions name that place. Off while the shipped demo checkpoint is one trained on captions
+# without it (a model's captions are the words it learned); the training script's --caption-places 1
+# turns it on for its data, and it turns on here with the checkpoint trained so (issue 33).
+CAPTION_PLACES = False
 
 
 def sky_place(scene: Scene) -> str:
@@ -230,11 +234,13 @@ def sky_place(scene: Scene) -> str:
     return f"{'high' if scene.sun_y < SKY_HIGH_BELOW else 'low'} {column}"
 
 
-def caption(scene: Scene) -> str:
-    """The scene in words: sky, sun or moon and its rough place, light, ground, the shapes left to
-    right, extras."""
+def caption(scene: Scene, places: bool | None = None) -> str:
+    """The scene in words: sky, sun or moon (and its rough place, with `places`; default
+    CAPTION_PLACES), light, ground, the shapes left to right, extras."""
     light = " at sunset" if scene.sunset else ""
-    body = ("a sun" if scene.celestial == "sun" else "a crescent moon") + " " + sky_place(scene)
+    body = "a sun" if scene.celestial == "sun" else "a crescent moon"
+    if CAPTION_PLACES if places is None else places:
+        body += " " + sky_place(scene)
     shapes = [f"a {s.color} {s.kind}" for s in sorted(scene.shapes, key=lambda s: s.x)]
     listed = shapes[0] if len(shapes) == 1 else ", ".join(shapes[:-1]) + " and " + shapes[-1] if shapes else "no shapes"
     text = f"a {scene.sky} sky with {body}{light}, {scene.ground} ground, {listed}"

@@ -79,6 +79,7 @@ class Settings:
     ema: float = 0.999
     flow_shift: float = 3.0
     resume: str = ""  # a checkpoint directory: keep its VAE and go on training its transformer
+    caption_places: int = 0  # 1: captions name the sun's or moon's rough place (sample.CAPTION_PLACES)
     amp: int = 1  # bfloat16 autocast
     total_minutes: float = 0.0  # > 0: the transformer stops early so that the whole run ends in time
     moe: str = "dense"  # training's expert path: dense (every expert on every token, weighted by the
@@ -89,8 +90,9 @@ class Settings:
 _builder = None
 
 
-def _init_worker(tokenizer_file: str) -> None:
+def _init_worker(tokenizer_file: str, caption_places: bool = False) -> None:
     global _builder
+    sample.CAPTION_PLACES = caption_places  # this process's captions (and CoT recaptions)
     from tokenizers import Tokenizer as HFTokenizer
 
     from components.engine.sequence import SequenceBuilder
@@ -168,15 +170,16 @@ def build_dataset(settings: Settings, tokenizer_file: str) -> dict[str, torch.Te
     system = system_prompt()
     work = partial(make_example, edit_share=settings.edit_share, seed=settings.seed, system=system)
     workers = settings.workers or os.cpu_count() or 1
+    places = bool(settings.caption_places)
     if workers == 1:
-        _init_worker(tokenizer_file)
+        _init_worker(tokenizer_file, places)
         rows = [work(i) for i in range(settings.examples)]
     else:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(tokenizer_file,)) as pool:
+                                 initargs=(tokenizer_file, places)) as pool:
             rows = list(pool.map(work, range(settings.examples), chunksize=64))
     n, length = len(rows), max(len(r["cond_ids"]) for r in rows)
     pad = 0
@@ -555,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers' input checks on the ViT's spatial shapes read a GPU tensor back every step
     os.environ.setdefault("TRANSFORMERS_DISABLE_TORCH_CHECK", "1")
     config = spec.demo_config()
+    sample.CAPTION_PLACES = bool(settings.caption_places)  # this process's captions too (the tokenizer corpus)
     if settings.resume:
         # the checkpoint's own tokenizer: its embeddings belong to those ids (a BPE rebuilt from
         # today's corpus would give other ids once the corpus's wording changed; byte-level BPE
