@@ -147,6 +147,15 @@ def is_kernel_failure(error: BaseException) -> bool:
     return not isinstance(error, (torch.OutOfMemoryError, RankLost, ValueError, TypeError, IndexError, KeyError))
 
 
+NESTED_TRACE = "symbolically trace a dynamo-optimized function"
+
+
+def is_nested_trace(error: BaseException) -> bool:
+    """Whether `error` is a compiled call that met another thread's trace (compiled.COMPILED_CALLS
+    says why): a passing state, not a broken kernel."""
+    return isinstance(error, RuntimeError) and NESTED_TRACE in str(error)
+
+
 def record_fallback(path: str, key, error: BaseException) -> None:
     """Count one fallback and send `key` of `path` to the plain path from now on; the first error of
     the process goes to stderr (one line)."""
@@ -190,8 +199,6 @@ def run_fast(path: str, key, fast, plain, parallel=None):
         try:
             return fast()
         except Exception as e:  # noqa: BLE001 - kernel failures only, the rest is raised again
-            from .compiled import is_nested_trace
-
             if is_nested_trace(e):
                 return plain()  # another thread was tracing: this call only, the fast path is not broken
             if not is_kernel_failure(e):

@@ -21,13 +21,7 @@ import torch
 # symbolically trace a dynamo-optimized function"): an overlapped job's AR and DiT threads hit it,
 # and it sent shapes to their plain paths for good (10 fallbacks, half-speed DiT steps). A call only
 # launches GPU work, so holding this for it keeps the GPU work of the two threads overlapping.
-COMPILED_CALLS = threading.RLock()
-NESTED_TRACE = "symbolically trace a dynamo-optimized function"  # the error, should it come anyway
-
-
-def is_nested_trace(error: BaseException) -> bool:
-    """Whether `error` is that race (another thread was tracing): a passing state, not a broken kernel."""
-    return isinstance(error, RuntimeError) and NESTED_TRACE in str(error)
+COMPILED_CALLS = threading.RLock()  # the error, should it come anyway: kernels.is_nested_trace
 
 
 _compiled_fns: dict[Callable, Callable] = {}
@@ -51,7 +45,7 @@ def call_compiled(fn: Callable, *args: torch.Tensor, dynamic: int = 1):
         with COMPILED_CALLS:
             return _compiled(fn)(*args)
     except Exception as e:  # noqa: BLE001 - a compiler failure: the eager function computes the same
-        from . import is_kernel_failure, record_fallback
+        from . import is_kernel_failure, is_nested_trace, record_fallback
 
         if is_nested_trace(e):
             return fn(*args)  # this call only: the function is not broken
