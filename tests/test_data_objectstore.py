@@ -235,3 +235,19 @@ def test_split_uri_keeps_a_file_at_the_root_at_the_root():
     assert split_uri("x.parquet") == (".", "x.parquet")
     assert split_uri("/d/x.parquet") == ("/d", "x.parquet")
     assert split_uri("s3://b/a/x.parquet") == ("s3://b/a", "x.parquet")
+
+
+def test_a_killed_writes_temp_file_is_swept_at_the_next_step(tmp_path) -> None:
+    """A writer killed between its temp file and the rename leaves the temp file (invisible to
+    list, but on the disk); the shard's next DiT step sweeps its shard's directory of them."""
+    store = open_object_store(str(tmp_path / "store"))
+    store.put_bytes("run/shards/0/images/a.png", b"whole")
+    images = tmp_path / "store" / "run" / "shards" / "0" / "images"
+    (images / ".ardit-tmp-killed").write_bytes(b"half")
+    (tmp_path / "store" / "run" / "shards" / "1").mkdir(parents=True)
+    (tmp_path / "store" / "run" / "shards" / "1" / ".ardit-tmp-other").write_bytes(b"x")
+    assert store.list("run/shards/0/") == ["run/shards/0/images/a.png"]
+    assert store.sweep_partial_writes("run/shards/0/") == 1
+    assert sorted(p.name for p in images.iterdir()) == ["a.png"]
+    assert (tmp_path / "store" / "run" / "shards" / "1" / ".ardit-tmp-other").exists()  # another shard's: kept
+    assert store.sweep_partial_writes("run/shards/9/") == 0

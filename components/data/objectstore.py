@@ -189,6 +189,12 @@ class ObjectStore(ABC):
             self.delete(key)
         return len(keys)
 
+    def sweep_partial_writes(self, prefix: str) -> int:
+        """Remove what writes killed midway left under `prefix` (none can be left on S3, where an
+        object appears whole or not at all); returns how many. Only for a prefix no live writer
+        writes to: a shard at the start of its step."""
+        return 0
+
     def put_text(self, key: str, text: str) -> None:
         self.put_bytes(key, text.encode("utf-8"))
 
@@ -332,6 +338,19 @@ class LocalObjectStore(ObjectStore):
                 if key.startswith(prefix):
                     keys.append(key)
         return sorted(keys)
+
+    def sweep_partial_writes(self, prefix: str) -> int:
+        """The temp files of atomic writes whose process was killed before the rename (invisible to
+        `list`, but on the disk) under `prefix`'s directory."""
+        start = self.root.joinpath(*check_key(prefix.rstrip("/")).split("/"))
+        removed = 0
+        for tmp in (start.rglob(f"{_TMP_PREFIX}*") if start.is_dir() else ()):
+            try:
+                tmp.unlink()
+                removed += 1
+            except OSError:
+                pass  # gone meanwhile, or not ours to remove
+        return removed
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -68,6 +68,8 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                       parallel, progress)
     if step.layout.is_committed(shard):
         return step.skip("committed")
+    if step.owner:  # a killed earlier attempt's half-written images and records (a temp file each)
+        step.layout.store.sweep_partial_writes(step.layout.shard_prefix(shard))
     writer = step.layout.shard_writer(shard)
     pending = writer.pending()
     ar_rows = read_ar_rows(step.layout, shard) if handoff is None else {}
