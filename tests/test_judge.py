@@ -74,8 +74,10 @@ def test_caption_names_the_sun_or_moons_place():
         place = sample.sky_place(scene)
         body = "a sun" if scene.celestial == "sun" else "a crescent moon"
         assert f"{body} {place}" in sample.caption(scene, places=True)
-        # the shipped checkpoint learned captions without the place: off by default until it is retrained
-        assert place not in sample.caption(scene) and sample.caption(scene).startswith(f"a {scene.sky} sky with {body}")
+        # the shipped checkpoint learned captions with the place: on by default; off gives the older wording
+        assert sample.caption(scene) == sample.caption(scene, places=True)
+        assert place not in sample.caption(scene, places=False)
+        assert sample.caption(scene, places=False).startswith(f"a {scene.sky} sky with {body}")
         assert place.startswith("high" if scene.sun_y < sample.SKY_HIGH_BELOW else "low")
         seen.add(place)
     assert seen == {f"{h} {c}" for h in ("high", "low") for _, c in sample.SKY_COLUMNS}

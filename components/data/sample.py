@@ -222,10 +222,10 @@ def draw_scene(size: int, rng: random.Random) -> bytes:
 SKY_COLUMNS = ((0.29, "on the far left"), (0.43, "on the left"), (0.57, "in the middle"), (0.71, "on the right"),
                (2.0, "on the far right"))
 SKY_HIGH_BELOW = 0.27  # sun_y (fraction of the height, from the top) below it: "high", else "low"
-# Whether captions name that place. Off while the shipped demo checkpoint is one trained on captions
-# without it (a model's captions are the words it learned); the training script's --caption-places 1
-# turns it on for its data, and it turns on here with the checkpoint trained so (issue 33).
-CAPTION_PLACES = False
+# Whether captions name that place: the shipped demo checkpoint was trained on captions that do
+# (`components.demo.train --caption-places 1`), and a model's captions are the words it learned.
+# Off only to write data for, or train, a model of the older wording.
+CAPTION_PLACES = True
 
 
 def sky_place(scene: Scene) -> str:

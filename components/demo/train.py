@@ -79,7 +79,7 @@ class Settings:
     ema: float = 0.999
     flow_shift: float = 3.0
     resume: str = ""  # a checkpoint directory: keep its VAE and go on training its transformer
-    caption_places: int = 0  # 1: captions name the sun's or moon's rough place (sample.CAPTION_PLACES)
+    caption_places: int = 1  # captions name the sun's or moon's rough place (sample.CAPTION_PLACES); 0: the older wording
     amp: int = 1  # bfloat16 autocast
     total_minutes: float = 0.0  # > 0: the transformer stops early so that the whole run ends in time
     moe: str = "dense"  # training's expert path: dense (every expert on every token, weighted by the
