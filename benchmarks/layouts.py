@@ -18,7 +18,7 @@ With --time-limit the job running at the limit is stopped as Ctrl-C would, and w
 reported (`cut_by_time_limit`); --out is written after every layout.
 Layout names: tpN, ppN, dpN and combinations joined by 'x' (e.g. pp2xtp2, dp2xtp1), with `:seq` or
 `:ovl` appended for `--overlap off` / `on` (a shard's AR and DiT in turn, or at once on each model
-copy; without a suffix the job's default, off). GPU busy: the mean of nvidia-smi's utilization.gpu
+copy; without a suffix the job's default, auto). GPU busy: the mean of nvidia-smi's utilization.gpu
 sampled every 0.5 s over the job. `--cot-tokens` takes N or lognormal:MEDIAN:LO:HI (e.g.
 lognormal:1000:200:2048, the realistic CoT lengths; see components/engine/ar.py ForcedCot).
 For the full model at the default settings (IT2I 1024x1024, 8 steps, CFG 5) it also gives the

@@ -55,9 +55,8 @@ class JobConfig:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
     batch_invariant: bool = False
-    # a shard's AR and DiT at once on one model copy of one rank (on | off; measured slower on one
-    # H200 at full size, where the two compete for the GPU: docs/benchmarks.md)
-    overlap: str = "off"
+    # AR and DiT of a shard at once on one model copy: auto (on a GPU, one rank a copy) | on | off
+    overlap: str = "auto"
     # storage and outputs
     kv_store: str | None = None  # None: kept in the memory of the model copy's process (memory://RUN)
     kv_reuse: bool = True

@@ -177,7 +177,7 @@ def check_kv_store(url: str) -> None:
         raise ConfigError(f"--kv-store {url}: {health.detail}; {hint}")
 
 
-OVERLAP = ("off", "on")
+OVERLAP = ("auto", "on", "off")
 
 
 def check_overlap(overlap: str, ranks: int) -> None:
@@ -186,7 +186,7 @@ def check_overlap(overlap: str, ranks: int) -> None:
         raise ConfigError(f"--overlap {overlap!r}: use one of {', '.join(OVERLAP)}")
     if overlap == "on" and ranks > 1:
         raise ConfigError(f"--overlap on: a model copy of {ranks} ranks (--tp x --pp) runs its AR and DiT steps in "
-                          "turn (their collectives would interleave); leave --overlap off")
+                          "turn (their collectives would interleave); use --overlap auto or off")
 
 
 def check_parallel_options(pipeline_parallel_size: int, data_parallel_size: int | None) -> None:

@@ -129,8 +129,8 @@ MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(
     "--max-num-batched-tokens", help="AR prompt tokens prefilled per step, between decode steps (default 2048)",
     rich_help_panel=SCHEDULING)]
 Overlap = Annotated[str, typer.Option(
-    "--overlap", help="on: run a shard's AR and DiT steps at once on each model copy of one GPU (experimental: "
-    "slower than off on one H200 at full size, see docs/benchmarks.md) | off", rich_help_panel=SCHEDULING)]
+    "--overlap", help="run a shard's AR and DiT steps at once on each model copy, the K/V handed over in memory: "
+    "auto (on for one GPU a copy) | on | off", rich_help_panel=SCHEDULING)]
 BatchInvariant = Annotated[bool, typer.Option(
     "--batch-invariant", help="each row's AR computed alone: its CoT, K/V and image are bitwise independent of "
     "its batch and shard (slower AR decode)", rich_help_panel=SCHEDULING)]
@@ -348,7 +348,7 @@ def _job_command(kind: str):
         temperature: Temperature = None, top_k: TopK = None, top_p: TopP = None, greedy: Greedy = False,
         batch_size: BatchSize = "auto", gpu_memory_utilization: GpuMemoryUtilization = 0.9,
         max_num_batched_tokens: MaxNumBatchedTokens = None, batch_invariant: BatchInvariant = False,
-        overlap: Overlap = "off", kv_store: KVStore = None, no_kv_reuse: NoKVReuse = False,
+        overlap: Overlap = "auto", kv_store: KVStore = None, no_kv_reuse: NoKVReuse = False,
     ) -> None:
         from components.options import auto_or_int
 

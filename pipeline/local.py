@@ -91,7 +91,7 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
                   dtype=config.dtype, seed=config.seed)
     if config.pipeline_parallel_size != 1:
         engine["pipeline_parallel_size"] = config.pipeline_parallel_size
-    overlap = overlaps(config)
+    overlap = overlaps(config, plan["device"])
 
     def shard_steps(shard: int) -> list[ShardStep]:
         where = dict(output=config.output, run_id=config.run_id, shard=shard)
@@ -138,13 +138,15 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
 AR_GENERATION = ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k", "top_p")
 
 
-def overlaps(config: JobConfig) -> bool:
+def overlaps(config: JobConfig, device: str) -> bool:
     """Whether the job runs each shard's AR and DiT steps at once (components/overlap/run.py):
-    `--overlap on` where a model copy is one process (tp x pp = 1). A DiT that takes another run's
-    AR outputs has no AR beside it. Off by default: on one H200 at full size the two steps compete
-    for the GPU and the job ran slower than in turn (docs/benchmarks.md)."""
+    `--overlap on`, or `auto` on a GPU where a model copy is one process (tp x pp = 1). A DiT that
+    takes another run's AR outputs has no AR beside it. On one H200 at full size the overlapped job
+    beat the job in turn (docs/benchmarks.md); on a CPU the two threads would share its cores."""
     one_rank = config.tensor_parallel_size * config.pipeline_parallel_size == 1
-    return config.overlap == "on" and one_rank and not config.ar_from_run
+    if config.ar_from_run or not one_rank or config.overlap == "off":
+        return False
+    return config.overlap == "on" or device.startswith("cuda")
 
 
 def process_age_s() -> float | None:

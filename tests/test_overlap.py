@@ -228,7 +228,8 @@ def test_overlap_is_checked_before_any_work(tmp_path):
 
     check_overlap("off", 4)
     check_overlap("on", 1)
-    with pytest.raises(ConfigError, match=r"--overlap 'maybe': use one of off, on"):
+    check_overlap("auto", 4)  # auto: in turn for a copy of several ranks
+    with pytest.raises(ConfigError, match=r"--overlap 'maybe': use one of auto, on, off"):
         check_overlap("maybe", 1)
     with pytest.raises(ConfigError, match=r"--overlap on: a model copy of 2 ranks"):
         check_overlap("on", 2)
@@ -237,14 +238,17 @@ def test_overlap_is_checked_before_any_work(tmp_path):
     assert proc.returncode == 2 and "--overlap 'sometimes'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_overlap_is_off_unless_asked_and_only_for_one_rank_copies():
+def test_overlap_auto_is_on_for_one_gpu_copies_only():
     from components.jobconfig import JobConfig
     from pipeline.local import overlaps
 
     base = JobConfig(dataset="d", output="o", run_id="r")
-    assert not overlaps(base) and overlaps(base.replace(overlap="on"))
-    assert not overlaps(base.replace(overlap="on", tensor_parallel_size=2))
-    assert not overlaps(base.replace(overlap="on", ar_from_run="other"))
+    assert base.overlap == "auto"
+    assert overlaps(base, "cuda") and overlaps(base, "cuda:1") and not overlaps(base, "cpu")
+    assert not overlaps(base.replace(overlap="off"), "cuda") and overlaps(base.replace(overlap="on"), "cpu")
+    assert not overlaps(base.replace(tensor_parallel_size=2), "cuda")
+    assert not overlaps(base.replace(overlap="on", pipeline_parallel_size=2), "cuda")
+    assert not overlaps(base.replace(overlap="on", ar_from_run="other"), "cuda")
 
 
 # -- two threads, one process: compiled calls and side streams ------------------------------------
