@@ -102,8 +102,8 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
                    kv_reuse=config.kv_reuse, save_latents=config.save_latents, step_cache=config.step_cache)
         if config.ar_from_run:
             steps = {"dit": {**where, **dit, **engine}}
-        elif overlap:  # one step: the shard's AR and DiT at once on the copy's engine
-            steps = {"overlap": {**where, "ar": ar, "dit": dit, **engine}}
+        elif overlap:  # one step: the shard's AR and DiT at once on the copy's engine (and the next shards')
+            steps = {"overlap": {**where, "ar": ar, "dit": dit, **engine, **({"then": chained} if chained else {})}}
         else:
             steps = {"ar": {**where, **ar, **engine}, "dit": {**where, **dit, **engine}}
         return [(STEP_TARGETS[name], kwargs, RESTART_FROM[name]) for name, kwargs in steps.items()]
@@ -117,9 +117,14 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
         print(f"--data-parallel-size {asked}: {len(todo)} shard(s) to run, so {dp} model "
               f"cop{'y' if dp == 1 else 'ies'} ({hint}; a copy without a shard would load the model for nothing)",
               file=sys.stderr, flush=True)
+    # one overlapped copy runs every shard in one step: its AR goes on to the next shard while its DiT
+    # finishes the last one's rows (components/overlap/run.py `then`)
+    chained = todo[1:] if overlap and dp == 1 else []
     with make_progress(progress, job_steps=len(todo) * (1 if config.ar_from_run else 2), replicas=dp) as bars:
-        replicas = run_replicas(todo, shard_steps, bars, dp, config.tensor_parallel_size, config.pipeline_parallel_size,
-                                plan["device"])
+        replicas = run_replicas(todo[:1] if chained else todo, shard_steps, bars, dp, config.tensor_parallel_size,
+                                config.pipeline_parallel_size, plan["device"])
+    if chained and not replicas.left:
+        replicas.ran.update({k: 0 for k in chained})
     summary = summarize(layout)
     split_by_replica(summary, replicas.ran, dp)
     summary["data_parallel"] = {"replicas": dp, "failed": replicas.failed}

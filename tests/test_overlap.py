@@ -135,6 +135,55 @@ def test_without_batch_invariance_the_overlapped_rows_are_the_same_greedy_tokens
     assert all(a[k][0] == b[k][0] for k in a)  # float32 on the CPU: the batches' rounding does not flip a token
 
 
+def _events(data: str, out: str, run_id: str, overlap: str, monkeypatch) -> tuple[list, dict[str, int]]:
+    """The order in which rows finish their AR and start their DiT (each DiT row slowed down, so an
+    AR that may run ahead does), and each row's shard."""
+    import components.dit.run as dit_run
+    from components.engine import ar_scheduler
+
+    events: list[tuple[str, str]] = []
+    finish, denoise = ar_scheduler.ARScheduler._finish, dit_run._denoise_retrying_oom
+
+    def finish_logged(self, seq):
+        finish(self, seq)
+        events.append(("ar", seq.request.id))
+
+    def denoise_logged(engine, request):
+        events.append(("dit", request.ar.id))
+        time.sleep(0.3)
+        return denoise(engine, request)
+
+    monkeypatch.setattr(ar_scheduler.ARScheduler, "_finish", finish_logged)
+    monkeypatch.setattr(dit_run, "_denoise_retrying_oom", denoise_logged)
+    _job(data, out, run_id, overlap)
+    monkeypatch.undo()
+    shard_of = {r["id"]: int(p.parent.name) for p in Path(out, run_id, "shards").glob("*/rows.parquet")
+                for r in pq.read_table(p).to_pylist()}
+    return events, shard_of
+
+
+def _next_shard_ar_before_last_dit(events, shard_of) -> bool:
+    last_dit = max(i for i, (kind, row) in enumerate(events) if kind == "dit" and shard_of[row] == 0)
+    return any(kind == "ar" and shard_of[row] == 1 for kind, row in events[:last_dit])
+
+
+def test_the_next_shards_ar_runs_while_the_dit_finishes_this_one(dataset, monkeypatch):
+    """One overlapped copy chains its shards: the AR of shard 1 starts when the AR of shard 0 ends,
+    not when shard 0 commits, so the DiT finds shard 1's first rows ready. Control: in turn (off),
+    no row of shard 1 finishes its AR before shard 0's last DiT row."""
+    data, root = dataset
+    out = str(root / "runs")
+    events, shard_of = _events(data, out, "chain", "on", monkeypatch)
+    assert sorted(set(shard_of.values())) == [0, 1] and len(shard_of) == 10
+    assert _next_shard_ar_before_last_dit(events, shard_of), events
+    record = json.loads(Path(out, "chain", "shards", "1", "steps", "overlap.json").read_text())
+    assert record["handoff"]["rows"] == 5 and record["load_s"] == 0.0  # one load for the chain
+    events, shard_of = _events(data, out, "chain-off", "off", monkeypatch)
+    assert not _next_shard_ar_before_last_dit(events, shard_of), events
+    a, b = _outputs(out, "chain"), _outputs(out, "chain-off")
+    assert all(a[k][0] == b[k][0] for k in a)  # the same greedy tokens either way
+
+
 class Broke(BaseException):
     """A failure the AR scheduler does not recover from (it retries rows after an Exception)."""
 

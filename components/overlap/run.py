@@ -19,6 +19,12 @@ figures in the DiT's step record), so resume, commit and the per-row reuse / rec
 are the sequential steps'. A failure of either side stops the other: rows already written stay,
 the rest run again on resume. One process, one rank: the layouts of several ranks (--tp, --pp)
 run their steps in turn (their ranks' collectives would interleave across the two threads).
+
+`then`: the shards this copy runs next, in order. The AR thread goes on to the next shard's rows as
+soon as it has finished this one's, while the DiT still denoises this shard's last rows; the DiT
+then finds the next shard's first rows ready instead of waiting for them at each shard's start
+(and the AR does not sit idle through each shard's tail). Each shard still has its own handoff,
+records and commit.
 """
 
 from __future__ import annotations
@@ -41,16 +47,20 @@ ENGINE_KEYS = ("model", "weights", "dummy_weights", "tensor_parallel_size", "qua
 
 
 def run(output: str, run_id: str, shard: int, *, ar: dict[str, Any], dit: dict[str, Any], progress: Any = None,
-        parallel: Any = None, handoff: Handoff | None = None, **engine: Any) -> dict[str, Any]:
-    """Run shard `shard`'s AR and DiT steps overlapped. `ar` / `dit`: each step's own keywords;
-    `engine`: the keywords both take (ENGINE_KEYS). Returns both steps' results and the handoff's
-    figures. `handoff`: the rows' way from the AR to the DiT (default: Handoff())."""
+        parallel: Any = None, handoff: Handoff | None = None, then: tuple[int, ...] | list[int] = (),
+        **engine: Any) -> dict[str, Any]:
+    """Run shard `shard`'s AR and DiT steps overlapped, then those of each shard of `then` (the AR
+    of the next shard starting as soon as the AR of the one before ends). `ar` / `dit`: each step's
+    own keywords; `engine`: the keywords both take (ENGINE_KEYS). Returns the first shard's steps'
+    results and the handoff's figures (`then`: each later shard's under "then").
+    `handoff`: the first shard's rows' way from the AR to the DiT (default: Handoff())."""
     from components.progress import NoProgress, SharedProgress
 
     if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1):
         raise ConfigError("overlapped AR and DiT steps run in one process (tp x pp = 1): use --overlap off with "
                           "--tp or --pp above 1")
-    common = {"output": output, "run_id": run_id, "shard": shard, "parallel": parallel, **engine}
+    shards = [shard, *then]
+    common = {"output": output, "run_id": run_id, "parallel": parallel, **engine}
     progress = SharedProgress(progress or NoProgress())  # both threads report to it
     t_load = time.perf_counter()
     loaded = load_engine(engine["model"], engine.get("weights"), engine["device"], engine.get("dtype"),
@@ -58,26 +68,35 @@ def run(output: str, run_id: str, shard: int, *, ar: dict[str, Any], dit: dict[s
                          engine.get("tensor_parallel_size", 1), engine.get("quantization"), parallel,
                          engine.get("pipeline_parallel_size", 1))
     load_s = time.perf_counter() - t_load
-    handoff = handoff or Handoff()
-    handoff.reserve_bytes = dit_reserve_bytes(loaded.model)
-    side = _ARThread(common | ar, handoff, progress, loaded.model.device)
+    handoffs = {s: (handoff if s == shard and handoff is not None else Handoff()) for s in shards}
+    for h in handoffs.values():
+        h.reserve_bytes = dit_reserve_bytes(loaded.model)
+    side = _ARThread(common | ar, shards, handoffs, progress, loaded.model.device)
     side.start()
-    try:
-        dit_result = dit_run(**common, **dit, handoff=handoff, progress=progress)
-    except BaseException:
-        handoff.cancel()  # the AR stops at its next admission (or its next finished row)
-        side.join(timeout=60.0)
-        _forget_shard_kv(engine.get("kv_store"), run_id, shard)
-        raise
+    results = []
+    for s in shards:
+        t0 = time.perf_counter()
+        try:
+            dit_result = dit_run(**common, shard=s, **dit, handoff=handoffs[s], progress=progress)
+        except BaseException:
+            for h in handoffs.values():
+                h.cancel()  # the AR stops at its next admission (or its next finished row)
+            side.join(timeout=60.0)
+            for rest in shards[shards.index(s):]:
+                _forget_shard_kv(engine.get("kv_store"), run_id, rest)
+            raise
+        record = {"load_s": round(load_s if s == shard else 0.0, 3), "wall_s": round(time.perf_counter() - t0, 3),
+                  "handoff": handoffs[s].stats()}
+        if "skipped" not in dit_result:  # beside the steps' own records: the load they shared (theirs read 0)
+            layout = RunLayout.open(output, run_id)
+            layout.write_json(layout.step_timing_key(s, "overlap"), record)
+        results.append({"shard": s, "ar": side.results.get(s), "dit": dit_result, **record})
     side.join()
     if side.error is not None and not isinstance(side.error, Cancelled):
         raise side.error  # the DiT took every row the AR handed over; the rest stay for a resume
-    record = {"load_s": round(load_s, 3), "wall_s": round(time.perf_counter() - t_load - load_s, 3),
-              "handoff": handoff.stats()}
-    if "skipped" not in dit_result:  # beside the steps' own records: the load they shared (theirs read 0)
-        layout = RunLayout.open(output, run_id)
-        layout.write_json(layout.step_timing_key(shard, "overlap"), record)
-    return {"shard": shard, "ar": side.result, "dit": dit_result, **record}
+    for r in results:
+        r["ar"] = side.results.get(r["shard"])
+    return {**results[0], "then": results[1:]} if then else results[0]
 
 
 def _forget_shard_kv(url: str | None, run_id: str, shard: int) -> None:
@@ -90,12 +109,15 @@ def _forget_shard_kv(url: str | None, run_id: str, shard: int) -> None:
 
 
 class _ARThread(threading.Thread):
-    """The AR step on a thread of its own (and its own CUDA stream), telling the handoff when it ends."""
+    """The AR steps of `shards`, one after the other, on a thread of its own (and its own CUDA
+    stream), telling each shard's handoff when its AR ends. After a failure the later shards' ARs
+    do not run: their handoffs end with the same error."""
 
-    def __init__(self, kwargs: dict[str, Any], handoff: Handoff, progress: Any, device: Any):
-        super().__init__(name=f"ar-shard-{kwargs['shard']}", daemon=True)
-        self.kwargs, self.handoff, self.progress, self.device = kwargs, handoff, progress, device
-        self.result: dict[str, Any] | None = None
+    def __init__(self, kwargs: dict[str, Any], shards: list[int], handoffs: dict[int, Handoff], progress: Any,
+                 device: Any):
+        super().__init__(name=f"ar-shard-{shards[0]}", daemon=True)
+        self.kwargs, self.shards, self.handoffs, self.progress, self.device = kwargs, shards, handoffs, progress, device
+        self.results: dict[int, dict[str, Any]] = {}
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -105,15 +127,20 @@ class _ARThread(threading.Thread):
 
         stream = (torch.cuda.stream(torch.cuda.Stream(self.device, priority=-1)) if self.device.type == "cuda"
                   else contextlib.nullcontext())
-        try:
-            with stream, torch.no_grad():
-                self.result = ar_run(**self.kwargs, handoff=self.handoff, progress=self.progress)
-        except BaseException as e:  # noqa: BLE001 - handed to the DiT side, which raises it
-            self.error = e
-            if not isinstance(e, Cancelled):
-                print(f"ar: shard {self.kwargs['shard']}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        finally:
-            self.handoff.finish(self.error)
+        with stream, torch.no_grad():
+            for shard in self.shards:
+                handoff = self.handoffs[shard]
+                if self.error is not None:
+                    handoff.finish(self.error)
+                    continue
+                try:
+                    self.results[shard] = ar_run(**self.kwargs, shard=shard, handoff=handoff, progress=self.progress)
+                except BaseException as e:  # noqa: BLE001 - handed to the DiT side, which raises it
+                    self.error = e
+                    if not isinstance(e, Cancelled):
+                        print(f"ar: shard {shard}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                finally:
+                    handoff.finish(self.error)
 
 
 def dit_reserve_bytes(model: Any) -> int:
