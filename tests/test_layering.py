@@ -14,6 +14,8 @@ Rules:
 - the runtime imports no step (components.ar, .dit, .shard, .summary, .evaluate, .report): it runs
   whatever step function it is given, and what is step-specific (an AR step's restart from its
   halved budget) comes in with the call (run_step's `restart_from`).
+- the model (components/engine/transformer.py) talks to no other rank: its pipeline stages' hand-offs
+  are engine/parallel.py's PipelineStages, which `parallelize` gives a staged model from outside.
 Each rule has a negative control: a planted violation in a small tree under tmp_path is found.
 
 An import of `a.b.c` counts as depending on the module `a.b.c` only, not on its parent packages,
@@ -270,3 +272,32 @@ def test_a_runtime_import_of_a_step_is_found(tmp_path: Path) -> None:
     assert _offenders(graph, "components.runtime", allowed=(), watched=steps) == [
         "components.runtime.dispatch imports components.ar.budget",
         "components.runtime.replicas imports components.dit"]
+
+
+# the ParallelContext's point-to-point and collective calls, and rank / stage identities
+RANK_CALLS = ("recv_stage", "recv_any_stage", "send_stage", "isend_stage", "isend_any_stage",
+              "broadcast_from_last_stage", "wait_all", "all_reduce", "all_reduce_", "all_gather", "pp_rank",
+              "is_last_stage", "is_first")
+
+
+def _rank_calls(source: str) -> list[str]:
+    """The attributes of RANK_CALLS the source reads (`ctx.send_stage(...)`, `pp.pp_rank`), by line."""
+    return sorted(f"{node.lineno}: .{node.attr}" for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and node.attr in RANK_CALLS)
+
+
+def test_the_model_talks_to_no_other_rank() -> None:
+    source = (ROOT / "components" / "engine" / "transformer.py").read_text()
+    assert _rank_calls(source) == []
+
+
+def test_a_stage_hand_off_in_the_model_is_found() -> None:
+    """The shape transformer.py had: the model receiving from the stage before and sending on."""
+    planted = ("class Model:\n"
+               "    def across_stages(self, x, run_stage):\n"
+               "        pp = self.pipeline\n"
+               "        if pp.pp_rank > 0:\n"
+               "            x = pp.recv_any_stage(pp.pp_rank - 1)\n"
+               "        return pp.broadcast_from_last_stage(run_stage(x))\n")
+    assert _rank_calls(planted) == ["4: .pp_rank", "5: .pp_rank", "5: .recv_any_stage",
+                                    "6: .broadcast_from_last_stage"]

@@ -615,7 +615,7 @@ class ARScheduler:
         model = self.model
         if not self.wavefront:
             return model.forward_layers(x, positions, mask, writer)[:, -1]
-        work = model.start_across_stages(
+        work = model.stages.start(
             x, lambda h: model.forward_layers(h, positions, mask, writer, layers=model.stage_layers), back)
         if not back:
             self.sending = [w for w in self.sending if not w.is_completed()]
@@ -697,7 +697,7 @@ class ARScheduler:
                 return
             self.landing.popleft()
             if kind == "prompt":
-                self._prompt_done(key, self.model.land_across_stages(work))
+                self._prompt_done(key, self.model.stages.land(work))
                 continue
             step, fed = work
             logits = self.decoder.land(step)

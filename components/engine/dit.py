@@ -314,7 +314,7 @@ class DiTGenerator:
         mask = SlotMask(q, k, blocks[start:end].expand(len(rows), -1), blocks[:end].expand(len(rows), -1))
         positions, mask = positions.to(model.device), mask.to(model.device)
         if stage_sends is not None and model.pipeline is not None:
-            work = model.start_across_stages(
+            work = model.stages.start(
                 x, lambda h: model.forward_layers(h, positions, mask, cache, layers=model.stage_layers), back=False)
             stage_sends.extend(work.sends)
         else:

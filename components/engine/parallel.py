@@ -501,6 +501,62 @@ def _parallel_attention(attn: Attention, ctx: ParallelContext, prefix: str, slic
     attn.num_heads, attn.num_kv_heads, attn.groups = local_q, local_kv, local_q // local_kv
 
 
+@dataclass
+class StageWork:
+    """A forward `PipelineStages.start` began: what this stage still sends on, and on the last stage
+    the rows' last hidden states (with `back`, also sent back to every stage)."""
+
+    sends: list
+    last: torch.Tensor | None = None
+    back: bool = False
+
+
+class PipelineStages:
+    """A pipeline stage's hand-offs around its own layers. The model runs only its layer range
+    (`forward_layers`); `parallelize` gives a staged model one of these (`model.stages`), and the
+    model and its schedulers run a stage's work between its hand-offs through it."""
+
+    def __init__(self, ctx: ParallelContext) -> None:
+        self.ctx = ctx
+
+    def across(self, x: torch.Tensor | None, run_stage) -> torch.Tensor:
+        """Stage 0 runs `run_stage(x)`, each later stage runs it on what the stage before sent and
+        sends its output on; the last stage's output is broadcast, so every stage returns the same
+        hidden states (and takes the same decisions from them)."""
+        pp = self.ctx
+        if pp.pp_rank > 0:
+            x = pp.recv_any_stage(pp.pp_rank - 1)
+        x = run_stage(x)
+        if not pp.is_last_stage:
+            pp.send_stage(x, pp.pp_rank + 1)
+        return pp.broadcast_from_last_stage(x)
+
+    def start(self, x: torch.Tensor | None, run_stage, back: bool = True) -> StageWork:
+        """`across` without waiting for the later stages: this stage runs `run_stage` (on what the
+        stage before sent) and sends its output on in the background; the last stage sends its
+        rows' last hidden states [B, hidden] back to every stage (`back`), which `land` then gives.
+        So a stage can start other work (another row group's step) while this one is in the later
+        stages. Every stage must land in the order it started."""
+        pp = self.ctx
+        if pp.pp_rank > 0:
+            x = pp.recv_any_stage(pp.pp_rank - 1)
+        x = run_stage(x)
+        if not pp.is_last_stage:
+            return StageWork([pp.isend_any_stage(x, pp.pp_rank + 1)], back=back)
+        last = x[:, -1].contiguous()
+        sends = [pp.isend_any_stage(last, s, back=True) for s in range(pp.pp_size - 1)] if back else []
+        return StageWork(sends, last, back)
+
+    def land(self, work: StageWork) -> torch.Tensor | None:
+        """The last hidden states [B, hidden] of a forward `start` began (with `back`)."""
+        pp = self.ctx
+        last = work.last
+        if work.back and not pp.is_last_stage:
+            last = pp.recv_any_stage(pp.pp_size - 1, back=True)
+        pp.wait_all(work.sends)
+        return last
+
+
 def parallelize(model: HunyuanImage3ForCausalMM, ctx: ParallelContext) -> HunyuanImage3ForCausalMM:
     """Slice a meta-device model for rank ctx.rank of ctx.world_size in stage ctx.pp_rank of
     ctx.pp_size (in place; returns it)."""
@@ -511,6 +567,7 @@ def parallelize(model: HunyuanImage3ForCausalMM, ctx: ParallelContext) -> Hunyua
     layers = model.model.layers
     if ctx.pp_size > 1:
         model.stage_layers = stage_layers(len(layers), ctx.pp_size, ctx.pp_rank)
+        model.stages = PipelineStages(ctx)
         away = [i for i in range(len(layers)) if i not in model.stage_layers]
         for i in away:
             layers[i] = AbsentLayer()

@@ -475,6 +475,9 @@ class HunyuanImage3ForCausalMM(nn.Module):
         self.model = HunyuanImage3Model(cfg)
         self.lm_head = nn.Linear(hidden, cfg.vocab_size, bias=False)
         self.stage_layers = range(cfg.num_hidden_layers)  # the decoder layers this pipeline stage holds
+        # the hand-offs around them when the model runs in several pipeline stages (set from outside,
+        # by parallel.parallelize: a parallel.PipelineStages), else None
+        self.stages = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -549,8 +552,9 @@ class HunyuanImage3ForCausalMM(nn.Module):
         or None (one mask object for all layers: a SlotMask makes its dense or block mask once).
         `compiled`: run each layer through its torch.compile'd regions (DiT denoising steps).
         `layers`: run only these decoder layers (the DiT step cache runs the first one apart)."""
-        if self.pipeline is not None and layers is None:
-            return self._forward_stages(x, positions, mask, cache, compiled)
+        if self.stages is not None and layers is None:  # this stage's layers, between its hand-offs
+            return self.stages.across(
+                x, lambda h: self.forward_layers(h, positions, mask, cache, compiled, layers=self.stage_layers))
         cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
         indices = layers if layers is not None else self.stage_layers
         if compiled:
@@ -558,63 +562,6 @@ class HunyuanImage3ForCausalMM(nn.Module):
         for i in indices:
             x = self.model.layers[i](x, cos, sin, mask, cache, i)
         return x
-
-
-    def _forward_stages(self, x: torch.Tensor, positions: torch.Tensor, mask, cache: KVCache | None,
-                        compiled: bool) -> torch.Tensor:
-        """forward_layers across pipeline stages, one after the other: stage 0 runs its layers on
-        x, each next stage receives the hidden states (x's shape: every stage built x), runs its
-        layers and sends them on; the last stage's output is broadcast back, so every stage returns
-        the same hidden states (and takes the same decisions from them)."""
-        return self.across_stages(
-            x, lambda h: self.forward_layers(h, positions, mask, cache, compiled, layers=self.stage_layers))
-
-    def across_stages(self, x: torch.Tensor | None, run_stage) -> torch.Tensor:
-        """The hand-offs around one stage's work: stage 0 runs `run_stage(x)`, each later stage runs
-        it on what the stage before sent and sends its output on; the last stage's output is
-        broadcast, so every stage returns the same hidden states."""
-        pp = self.pipeline
-        if pp.pp_rank > 0:
-            x = pp.recv_any_stage(pp.pp_rank - 1)
-        x = run_stage(x)
-        if not pp.is_last_stage:
-            pp.send_stage(x, pp.pp_rank + 1)
-        return pp.broadcast_from_last_stage(x)
-
-    def start_across_stages(self, x: torch.Tensor | None, run_stage, back: bool = True) -> StageWork:
-        """`across_stages` without waiting for the later stages: this stage runs `run_stage` (on
-        what the stage before sent) and sends its output on in the background; the last stage
-        sends its rows' last hidden states [B, hidden] back to every stage (`back`), which
-        `land_across_stages` then gives. So a stage can start other work (another row group's
-        step) while this one is in the later stages. Every stage must land in the order it started."""
-        pp = self.pipeline
-        if pp.pp_rank > 0:
-            x = pp.recv_any_stage(pp.pp_rank - 1)
-        x = run_stage(x)
-        if not pp.is_last_stage:
-            return StageWork([pp.isend_any_stage(x, pp.pp_rank + 1)], back=back)
-        last = x[:, -1].contiguous()
-        sends = [pp.isend_any_stage(last, s, back=True) for s in range(pp.pp_size - 1)] if back else []
-        return StageWork(sends, last, back)
-
-    def land_across_stages(self, work: StageWork) -> torch.Tensor | None:
-        """The last hidden states [B, hidden] of a forward `start_across_stages` began (with `back`)."""
-        pp = self.pipeline
-        last = work.last
-        if work.back and not pp.is_last_stage:
-            last = pp.recv_any_stage(pp.pp_size - 1, back=True)
-        pp.wait_all(work.sends)
-        return last
-
-
-@dataclass
-class StageWork:
-    """A forward `start_across_stages` began: what this stage still sends on, and on the last stage
-    the rows' last hidden states (with `back`, also sent back to every stage)."""
-
-    sends: list
-    last: torch.Tensor | None = None
-    back: bool = False
 
 
 def attention_mask(q_slots: torch.Tensor, k_slots: torch.Tensor, q_blocks: torch.Tensor,

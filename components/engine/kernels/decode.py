@@ -280,12 +280,12 @@ class StaticDecoder:
     def land(self, step: "_InFlight") -> torch.Tensor:
         """The logits [rows fed, vocab] of a step `start` began."""
         if step.logits is None:
-            step.logits = self.model.text_logits(self.model.land_across_stages(step.stages))
+            step.logits = self.model.text_logits(self.model.stages.land(step.stages))
         return step.logits[:step.rows]
 
     def _start_stage(self, span: int, lo: int, n: int, rows: int) -> "_InFlight":
         """This stage's layers of the step (its own graph) between the hand-offs, without waiting
-        for the later stages (`start_across_stages`): a later stage first copies what the stage
+        for the later stages (`PipelineStages.start`): a later stage first copies what the stage
         before sent into its static input. The last stage sends the rows' last hidden states back
         to every stage, so every stage makes the same logits and takes the same decisions."""
         def stage(got: torch.Tensor | None) -> torch.Tensor:
@@ -295,7 +295,7 @@ class StaticDecoder:
                 self.stage_in[:n].copy_(got)
             return self._graphed((lo, n, span), lambda: self.layers(span, lo, n))
 
-        return _InFlight(rows, stages=self.model.start_across_stages(None, stage))
+        return _InFlight(rows, stages=self.model.stages.start(None, stage))
 
     def _graphed(self, key: tuple, fn) -> torch.Tensor:
         """fn() (an idempotent static step) replayed from its CUDA graph, captured on first use; or
