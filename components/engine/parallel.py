@@ -524,9 +524,7 @@ class PipelineStages:
         sends its output on; the last stage's output is broadcast, so every stage returns the same
         hidden states (and takes the same decisions from them)."""
         pp = self.ctx
-        if pp.pp_rank > 0:
-            x = pp.recv_any_stage(pp.pp_rank - 1)
-        x = run_stage(x)
+        x = self._own_layers(x, run_stage)
         if not pp.is_last_stage:
             pp.send_stage(x, pp.pp_rank + 1)
         return pp.broadcast_from_last_stage(x)
@@ -538,14 +536,18 @@ class PipelineStages:
         So a stage can start other work (another row group's step) while this one is in the later
         stages. Every stage must land in the order it started."""
         pp = self.ctx
-        if pp.pp_rank > 0:
-            x = pp.recv_any_stage(pp.pp_rank - 1)
-        x = run_stage(x)
+        x = self._own_layers(x, run_stage)
         if not pp.is_last_stage:
             return StageWork([pp.isend_any_stage(x, pp.pp_rank + 1)], back=back)
         last = x[:, -1].contiguous()
         sends = [pp.isend_any_stage(last, s, back=True) for s in range(pp.pp_size - 1)] if back else []
         return StageWork(sends, last, back)
+
+    def _own_layers(self, x: torch.Tensor | None, run_stage) -> torch.Tensor:
+        """`run_stage` on x at stage 0, on what the stage before sent at a later stage."""
+        if self.ctx.pp_rank > 0:
+            x = self.ctx.recv_any_stage(self.ctx.pp_rank - 1)
+        return run_stage(x)
 
     def land(self, work: StageWork) -> torch.Tensor | None:
         """The last hidden states [B, hidden] of a forward `start` began (with `back`)."""

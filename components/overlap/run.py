@@ -68,13 +68,15 @@ def run(output: str, run_id: str, shard: int, *, ar: dict[str, Any], dit: dict[s
                          engine.get("tensor_parallel_size", 1), engine.get("quantization"), parallel,
                          engine.get("pipeline_parallel_size", 1))
     load_s = time.perf_counter() - t_load
-    handoffs = {s: (handoff if s == shard and handoff is not None else Handoff()) for s in shards}
+    handoffs = {shard: handoff or Handoff(), **{s: Handoff() for s in then}}
+    reserve = dit_reserve_bytes(loaded.model)
     for h in handoffs.values():
-        h.reserve_bytes = dit_reserve_bytes(loaded.model)
+        h.reserve_bytes = reserve
     side = _ARThread(common | ar, shards, handoffs, progress, loaded.model.device)
     side.start()
-    results = []
-    for s in shards:
+    layout = RunLayout.open(output, run_id)
+    done = []  # (shard, its DiT result, its overlap record)
+    for i, s in enumerate(shards):
         t0 = time.perf_counter()
         try:
             dit_result = dit_run(**common, shard=s, **dit, handoff=handoffs[s], progress=progress)
@@ -82,20 +84,18 @@ def run(output: str, run_id: str, shard: int, *, ar: dict[str, Any], dit: dict[s
             for h in handoffs.values():
                 h.cancel()  # the AR stops at its next admission (or its next finished row)
             side.join(timeout=60.0)
-            for rest in shards[shards.index(s):]:
+            for rest in shards[i:]:
                 _forget_shard_kv(engine.get("kv_store"), run_id, rest)
             raise
-        record = {"load_s": round(load_s if s == shard else 0.0, 3), "wall_s": round(time.perf_counter() - t0, 3),
+        record = {"load_s": round(load_s if i == 0 else 0.0, 3), "wall_s": round(time.perf_counter() - t0, 3),
                   "handoff": handoffs[s].stats()}
         if "skipped" not in dit_result:  # beside the steps' own records: the load they shared (theirs read 0)
-            layout = RunLayout.open(output, run_id)
             layout.write_json(layout.step_timing_key(s, "overlap"), record)
-        results.append({"shard": s, "ar": side.results.get(s), "dit": dit_result, **record})
+        done.append((s, dit_result, record))
     side.join()
     if side.error is not None and not isinstance(side.error, Cancelled):
         raise side.error  # the DiT took every row the AR handed over; the rest stay for a resume
-    for r in results:
-        r["ar"] = side.results.get(r["shard"])
+    results = [{"shard": s, "ar": side.results.get(s), "dit": d, **record} for s, d, record in done]
     return {**results[0], "then": results[1:]} if then else results[0]
 
 
