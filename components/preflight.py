@@ -344,18 +344,18 @@ def check_job(config: JobConfig) -> dict[str, Any]:
         ar = ({"ar_from_run": config.ar_from_run} if config.ar_from_run else
               ar_settings(*engine, gen, config.batch_invariant))
         dit = dit_settings(*engine, gen, config.step_cache)
-        layout.check_settings("ar", ar)  # a resumed run: same settings, or a clear refusal
-        layout.check_settings("dit", dit)
+        state = layout.state()  # the run's manifest, settings and commits: the job reads them only here
+        layout.check_settings("ar", ar, state.settings["ar"])  # a resumed run: same settings, or a clear refusal
+        layout.check_settings("dit", dit, state.settings["dit"])
         device = resolve_device(device)
         gpus = visible_gpus(device)
         dp = parallel_layout(device, config.tensor_parallel_size, config.pipeline_parallel_size,
                              config.data_parallel_size, gpus)
         if num_shards == "auto":  # a resumed run keeps its sharding, wherever it resumes
-            num_shards = (layout.read_json(layout.manifest_key) or {}).get("num_shards") or \
-                auto_num_shards(source.num_rows, dp)
+            num_shards = (state.manifest or {}).get("num_shards") or auto_num_shards(source.num_rows, dp)
         manifest = check_existing(layout, shard_identity(config.dataset, source.fingerprint, config.kind, num_shards,
-                                                         validators[2]))
-        finished = manifest is not None and all(layout.is_committed(k) for k in range(manifest["num_shards"]))
+                                                         validators[2]), state.manifest)
+        finished = manifest is not None and state.finished
         if not finished:
             check_memory(model=config.model, device=device if gpus is None or device.startswith("cuda") else "cuda",
                          gpus=gpus, data_parallel_size=dp, tensor_parallel_size=config.tensor_parallel_size,
@@ -364,7 +364,8 @@ def check_job(config: JobConfig) -> dict[str, Any]:
         if kv_url is not None and not finished and kv_url.startswith("mooncake://"):
             check_kv_store(kv_url)  # its servers answer (an embedded store was checked above)
         return {"device": device, "data_parallel_size": dp, "generation": gen, "validators": validators,
-                "settings": {"ar": ar, "dit": dit}, "layout": layout, "finished": finished, "num_shards": num_shards}
+                "settings": {"ar": ar, "dit": dit}, "layout": layout, "state": state, "finished": finished,
+                "num_shards": num_shards}
     finally:  # on every way out, a refusal before the memory check too (a finished probe: nothing to do)
         if probe is not None:
             probe.cancel()

@@ -78,11 +78,12 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
         on_start()
     count_tokens, is_supported_size, max_prompt_tokens = plan["validators"]
     t0 = time.perf_counter()
-    manifest = run_shard(config.dataset, config.output, config.run_id, plan["num_shards"], config.kind,
-                         count_tokens=count_tokens, is_supported_size=is_supported_size,
-                         max_prompt_tokens=max_prompt_tokens)
-    layout.remember_settings("ar", plan["settings"]["ar"])
-    layout.remember_settings("dit", plan["settings"]["dit"])
+    state = plan["state"]  # what the checks read of the run (its manifest matched this job's sharding)
+    manifest = state.manifest or run_shard(config.dataset, config.output, config.run_id, plan["num_shards"],
+                                           config.kind, count_tokens=count_tokens, is_supported_size=is_supported_size,
+                                           max_prompt_tokens=max_prompt_tokens)
+    layout.remember_settings("ar", plan["settings"]["ar"], state.settings["ar"])
+    layout.remember_settings("dit", plan["settings"]["dit"], state.settings["dit"])
     if config.ar_from_run:
         _copy_ar_outputs(config.output, config.ar_from_run, config.run_id, manifest["num_shards"])
     engine = dict(model=config.model, weights=config.weights, dummy_weights=config.dummy_weights,
@@ -108,7 +109,7 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
             steps = {"ar": {**where, **ar, **engine}, "dit": {**where, **dit, **engine}}
         return [(STEP_TARGETS[name], kwargs, RESTART_FROM[name]) for name, kwargs in steps.items()]
 
-    todo = [k for k in range(manifest["num_shards"]) if not layout.is_committed(k)]  # resume: the rest
+    todo = state.todo(manifest["num_shards"])  # resume: the rest
     dp = min(plan["data_parallel_size"], max(len(todo), 1))  # no replica without a shard to take
     asked = config.data_parallel_size
     if asked is not None and dp < asked:

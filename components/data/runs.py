@@ -148,6 +148,23 @@ def rows_table(records: Sequence[dict[str, Any]]) -> pa.Table:
     return core
 
 
+@dataclass(frozen=True)
+class RunState:
+    """A run's state as one read found it (RunLayout.state): no manifest means nothing was sharded."""
+
+    manifest: dict[str, Any] | None
+    settings: dict[str, dict[str, Any] | None]  # step -> its recorded settings (None: none yet)
+    committed: frozenset[int]
+
+    @property
+    def finished(self) -> bool:
+        return self.manifest is not None and len(self.committed) == self.manifest["num_shards"]
+
+    def todo(self, num_shards: int) -> list[int]:
+        """The shards of a `num_shards` sharding a job still has to run (a resume: the uncommitted)."""
+        return [k for k in range(num_shards) if k not in self.committed]
+
+
 @dataclass
 class RunLayout:
     """Keys of one run inside an output store (keys are relative to the output root)."""
@@ -202,10 +219,12 @@ class RunLayout:
         return f"{self.run_id}/settings/{step}.json"
 
     # --- settings: a run computes every row with the same ones
-    def check_settings(self, step: str, settings: dict[str, Any]) -> bool:
+    def check_settings(self, step: str, settings: dict[str, Any], recorded: Any = ...) -> bool:
         """Raise SettingsConflictError if the run recorded other `step` settings; True if it
-        recorded these, False if it recorded none yet."""
-        recorded = self.read_json(self.settings_key(step))
+        recorded these, False if it recorded none yet. `recorded`: what the run recorded, when the
+        caller read it already (a RunState's `settings`); else it is read here."""
+        if recorded is ...:
+            recorded = self.read_json(self.settings_key(step))
         if recorded is None:
             return False
         differences = {k: (recorded[k], v) for k, v in settings.items() if k in recorded and recorded[k] != v}
@@ -217,9 +236,10 @@ class RunLayout:
                 "to start over with these, use a new run id", differences)
         return True
 
-    def remember_settings(self, step: str, settings: dict[str, Any]) -> None:
-        """Record `step`'s settings on first use; later calls must bring the same ones."""
-        if not self.check_settings(step, settings):
+    def remember_settings(self, step: str, settings: dict[str, Any], recorded: Any = ...) -> None:
+        """Record `step`'s settings on first use; later calls must bring the same ones.
+        `recorded`: as for check_settings."""
+        if not self.check_settings(step, settings, recorded):
             self.write_json(self.settings_key(step), {**settings, "recorded_at": utc_now()})
 
     # --- small helpers
@@ -252,6 +272,14 @@ class RunLayout:
             raise ConfigError(f"shard {shard} of run {self.run_id!r} has no input file "
                               f"{self.store.url(self.input_key(shard))}: run the shard step first, or check "
                               "--output, --run-id and --shard") from None
+
+    def state(self, steps: Sequence[str] = ("ar", "dit")) -> RunState:
+        """What the run holds, read once: its manifest, the settings `steps` recorded and the shards
+        committed (verified). A job's checks and its start read the run through this, not key by key."""
+        manifest = self.read_json(self.manifest_key)
+        settings = {step: self.read_json(self.settings_key(step)) for step in steps}
+        shards = manifest["num_shards"] if manifest is not None else 0
+        return RunState(manifest, settings, frozenset(k for k in range(shards) if self.is_committed(k)))
 
     # --- commit state
     def commit_marker(self, shard: int) -> dict[str, Any] | None:

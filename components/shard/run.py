@@ -96,10 +96,12 @@ def shard_identity(dataset: str, fingerprint: str, kind: str, num_shards: int,
             "max_prompt_tokens": max_prompt_tokens}
 
 
-def check_existing(layout: RunLayout, identity: dict[str, Any]) -> dict[str, Any] | None:
+def check_existing(layout: RunLayout, identity: dict[str, Any], existing: Any = ...) -> dict[str, Any] | None:
     """The run's manifest if it has one for this identity; None if it has none; a
-    ShardConflictError if the run id already belongs to another dataset or sharding."""
-    existing = layout.read_json(layout.manifest_key)
+    ShardConflictError if the run id already belongs to another dataset or sharding.
+    `existing`: the manifest, when the caller read it already (a RunState's); else it is read here."""
+    if existing is ...:
+        existing = layout.read_json(layout.manifest_key)
     if existing is None:
         return None
     diff = {k: (existing.get(k), identity[k]) for k in _IDENTITY if existing.get(k) != identity[k]}
