@@ -216,7 +216,7 @@ def dit_killing_stage1(device: str, parallel, **kwargs) -> dict:
     """The DiT step, with pipeline stage 1 killed (SIGKILL) in the middle of its first row group's
     denoising (its third (step, row) item)."""
     if parallel.pp_rank == 1:
-        from components.engine import pipeline_schedule
+        from components.runtime import pipeline_schedule
 
         plain, calls = pipeline_schedule._item, []
 
@@ -243,7 +243,7 @@ def pipeline_group(outdir: str, device: str, parallel) -> None:
     from components.engine import Engine
     from components.engine.ar import ARRequest, SamplingParams
     from components.engine.dit import DiTRequest
-    from components.engine.pipeline_schedule import denoise_rows
+    from components.runtime.pipeline_schedule import denoise_rows
     from tests.test_engine_helpers import random_image
 
     import numpy as np

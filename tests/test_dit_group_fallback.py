@@ -14,7 +14,7 @@ def test_a_failed_pipeline_group_is_said_counted_and_its_rows_still_come_out(tmp
     from components.ar.run import run as run_ar
     from components.data.sample import write_sample_generate_dataset
     from components.dit.run import run as run_dit
-    from components.engine import pipeline_schedule
+    from components.runtime import pipeline_schedule
     from components.shard.run import run as run_shard
 
     dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=2, seed=5)

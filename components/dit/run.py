@@ -122,7 +122,7 @@ def _denoise_pending(engine: Any, pending: list[Any], ar_rows: dict[str, dict[st
     stages denoise at once), with the next group's KV fetched while this one denoises (`prefetch`).
     A row the AR step failed for good is an error row; one it failed for a transient reason is left
     unrecorded and returned, as (row id, error), for a resume."""
-    from components.engine.pipeline_schedule import rows_in_flight
+    from components.runtime.pipeline_schedule import rows_in_flight
 
     fetches: dict[int, Future] = {}
 
@@ -261,7 +261,7 @@ def _denoise_rows(engine, out_io: _RowWriter, rows: list[_DiTRow], *, gen: dict[
             out_io.error(row.job.id, f"DiT failed: {type(e).__name__}: {e}", row.key)
     rows = [row for row in rows if row.key in requests]
     if len(rows) > 1:
-        from components.engine.pipeline_schedule import denoise_rows
+        from components.runtime.pipeline_schedule import denoise_rows
 
         try:
             for row, out in zip(rows, denoise_rows(engine.dit, [requests[row.key] for row in rows])):

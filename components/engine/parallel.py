@@ -24,7 +24,7 @@ lm_head, ln_f, embedders, patch embed / final layer, ViT, VAE) is replicated on 
 every stage builds the same inputs and takes the same decisions. Ranks of a model copy:
 global rank = pp_rank * tp + tp_rank; a stage's TP group is its tp ranks, and a rank's pipeline
 neighbours are the same tp rank in the adjacent stages (`transformer.forward_layers` hands the
-hidden states on with send/recv; see also `pipeline_schedule.py`).
+hidden states on with send/recv; see also `components/runtime/pipeline_schedule.py`).
 
 `model.load_slices` records which ranges of each checkpoint tensor this rank holds, so the loader
 reads only those (`safe_open(...).get_slice`) and dummy init draws exactly the slices of the full

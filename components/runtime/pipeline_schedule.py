@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from . import kernels
-from .dit import DenoisingRow, DiTGenerator, DiTOutput, DiTRequest
+from components.engine import kernels
+from components.engine.dit import DenoisingRow, DiTGenerator, DiTOutput, DiTRequest
 
 # Rows a DiT step keeps in flight per pipeline stage: 2 leaves slack for the latents' way back
 # (at exactly one per stage, stage 0 would wait for each row's round trip).
