@@ -91,6 +91,9 @@ class Turn:
 
 @dataclass(frozen=True)
 class StepPlan:
+    """What the step does next (module docstring): the rows taken, then either a question for the
+    runner (`ask`) or, admission done, the row groups' turns."""
+
     admit: tuple[Admit, ...] = ()
     ask: str | None = None  # GATE, PREPARE or GROW (module docstring); None: admission is done
     grow_pool_to: int | None = None  # with GROW: the new pool's slot capacity (the row then takes slot 0)
