@@ -121,17 +121,6 @@ def test_chunked_prefill_equals_one_prefill(engine):
     assert max((x - y).abs().max().item() for x, y in zip(_kv(a), _kv(b))) <= 1e-5
 
 
-def test_chunks_never_split_an_image_block():
-    seq = ar_scheduler._Seq(None, 0)
-    seq.blocks = torch.tensor([-1, -1, 0, 0, 0, 0, -1, 1, 1, -1])
-    seq.row = type("R", (), {"seq": type("S", (), {"cond_ids": list(range(10))})()})()
-    ends, start = [], 0
-    while start < 10:
-        start = ar_scheduler.ARScheduler._chunk_end(seq, start, 3)
-        ends.append(start)
-    assert ends == [6, 9, 10]
-
-
 @pytest.mark.slow
 def test_an_oom_halves_the_batch_and_every_row_completes(engine, forced, monkeypatch, greedy_alone):
     reqs = _requests()

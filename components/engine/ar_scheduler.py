@@ -41,9 +41,16 @@ rows.
   state comes back from the last stage like a step's. Every stage lands what comes back in the
   order it started (`landing`). Conditioning images are encoded one row a stage and handed to
   stage 0, the only stage that embeds them (`_encode_ahead`).
-- The decisions that need no model (rows that fit the cap and budget, the pool's size, row groups,
-  the slot a joining row takes, what a failed step does, the halving) are `BatchPolicy`'s, tested
-  without one (tests/test_ar_policy.py); `ARScheduler` runs the model and keeps the queues.
+
+Policy and runner: what a step does is decided without the model by `BatchPolicy` (engine/ar_policy.py,
+tested without one in tests/test_ar_policy.py): from the queues, the slots, the pool and the gate's
+answer it plans the rows admitted (each into a slot, or failed as too large), whether the pool must
+grow, and each row group's turn (a prefill chunk, then the group's decode step); it also sizes the
+pool and says what a failed step does, and halves the cap and budget. `ARScheduler` is the runner:
+it keeps the queues and the pool, and does what needs the model or the device: it asks the gate,
+prepares a row, allocates a pool, when the policy's plan asks it to, and runs the plan's chunks and
+decode steps (choosing tokens from the logits, finishing rows, landing pipeline work, recovering
+from a failure).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from typing import Any, Callable
 import torch
 
 from . import kernels
+from .ar_policy import GATE, GROW, PREPARE, Admit, BatchPolicy, Chunk, StepPlan, StepState
 from .inputs import EncodedImage, embed_span, encode_fitted, fit_cond_images
 from .kernels.decode import SPAN_STEP, DeviceSampler, StaticDecoder
 from .transformer import KVCache, SlotMask
@@ -178,80 +186,6 @@ class Admission:
 
 
 @dataclass
-class BatchPolicy:
-    """The scheduler's decisions, apart from the model so that they are tested without one
-    (tests/test_ar_policy.py): how many rows of a K/V capacity fit (the `--batch-size` cap, the K/V
-    budget), a new pool's rows, its row groups and the slot a joining row takes, and what a failed
-    step does (an OOM halves the cap and the budget)."""
-
-    row_cap: int | None  # rows in flight at most (None: the K/V budget decides)
-    kv_budget: int | None  # K/V bytes on this rank (None: no byte limit)
-    bytes_per_token: int  # K and V of one token on this rank (kv_bytes_per_token)
-    budget_tokens: int  # a row's cache past its prompt: the CoT budget + CLOSING_MARGIN
-    group_count: int = 1  # row groups that decode in turn (one per pipeline stage)
-
-    def need(self, prompt_tokens: int) -> int:
-        """Cache tokens a row of this prompt needs."""
-        return prompt_tokens + self.budget_tokens
-
-    @staticmethod
-    def capacity_for(need: int) -> int:
-        """A slot's tokens for a row that needs `need`: rounded up to the decode span."""
-        return -(-need // SPAN_STEP) * SPAN_STEP
-
-    def row_bytes(self, tokens: int) -> int:
-        return tokens * self.bytes_per_token
-
-    def rows_that_fit(self, capacity: int) -> int:
-        """Slots of `capacity` tokens within the row cap and the K/V budget (0: not even one)."""
-        rows = self.row_cap if self.row_cap is not None else 1 << 30
-        if self.kv_budget is not None:
-            rows = min(rows, self.kv_budget // self.row_bytes(capacity))
-        return rows
-
-    def pool_rows(self, capacity: int, rows_left: int) -> int:
-        """Slots of a new pool: as many as fit and as rows are left to run, at least one."""
-        return max(1, min(self.rows_that_fit(capacity), rows_left))
-
-    def groups(self, pool_rows: int) -> list[tuple[int, int]]:
-        """The pool's row groups [lo, hi), as even as the rows allow."""
-        bounds = [g * pool_rows // self.group_count for g in range(self.group_count + 1)]
-        return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-
-    @staticmethod
-    def free_slot(groups: list[tuple[int, int]], used) -> int | None:
-        """The lowest free slot of the group with the fewest rows in use (so the groups stay even);
-        None when every slot is in use."""
-        best = None
-        for lo, hi in groups:
-            free = [i for i in range(lo, hi) if i not in used]
-            if free and (best is None or hi - lo - len(free) < best[0]):
-                best = (hi - lo - len(free), free[0])
-        return None if best is None else best[1]
-
-    def halve(self, rows_in_flight: int, pool_rows: int) -> tuple[int, int | None] | None:
-        """After an OOM: the row cap becomes half the rows that were in flight, the K/V budget half.
-        The (cap, budget) to keep for a resume, or None when neither got smaller (one row, no budget)."""
-        rows = min(rows_in_flight, pool_rows)
-        self.row_cap = max(1, rows // 2)
-        if self.kv_budget is not None:
-            self.kv_budget //= 2
-        if self.row_cap < rows or self.kv_budget is not None:
-            return self.row_cap, self.kv_budget
-        return None
-
-    @staticmethod
-    def after_failure(rows: int, pool_rows: int, out_of_memory: bool, solo: bool) -> str:
-        """What the rows of a failed step do: "fail" (a single row that ran alone, in a pool of one
-        slot, or failed for another reason than memory: its error is its own), "halve" (out of
-        memory: back to waiting under half the cap) or "alone" (another error: each row again alone,
-        so that the bad one names itself)."""
-        if rows == 1 and (solo or pool_rows <= 1 or not out_of_memory):
-            return "fail"
-        return "halve" if out_of_memory else "alone"
-
-
-@dataclass
 class _Seq:
     """One request in the scheduler."""
 
@@ -260,10 +194,11 @@ class _Seq:
     row: Any = None  # ar.ARRow once prepared
     slot: int = -1
     length: int = 0  # cache slots of its row filled
-    need: int = 0  # cache capacity it needs (tokens)
+    need: int | None = None  # cache capacity it needs (tokens); None until prepared
     generator: torch.Generator | None = None  # its sampling stream on the device
     positions: torch.Tensor | None = None
-    blocks: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None  # each prompt token's image block (-1: text), for the masks
+    block_ids: list[int] = field(default_factory=list)  # the same, for the policy's prefill chunks
     solo: bool = False  # failed in a batch: runs alone so a bad row names itself
     cond: list | None = None  # under pipeline stages, its conditioning images encoded ahead (`_encode_ahead`)
     cond_error: BaseException | None = None  # or why they could not be
@@ -351,7 +286,7 @@ class ARScheduler:
         group_count = 1 if self.model.pipeline is None or self.alone \
             or settings.stage_row_groups == "off" else self.model.pipeline.pp_size
         self.policy = BatchPolicy(admission.max_rows, admission.kv_budget_bytes, kv_bytes_per_token(self.model),
-                                  sampling.max_new_tokens + CLOSING_MARGIN, group_count)
+                                  sampling.max_new_tokens + CLOSING_MARGIN, SPAN_STEP, group_count)
         self.groups: list[tuple[int, int]] = []
         # under pipeline stages, forwards whose results come back from the last stage, in the order
         # they started (every stage lands them in that order): ("step", group lo, (step, rows fed))
@@ -401,13 +336,13 @@ class ARScheduler:
         return parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1)
 
     def step(self) -> None:
-        """Admit what fits, then for each row group (one without pipeline stages): prefill one
-        chunk, choose the group's rows' next tokens, decode one step. Under stages a chunk per group
-        keeps a chunk in each stage too, as the groups' steps are."""
-        self._admit()
-        for lo, hi in self.groups or [(0, 0)]:
-            self._prefill_next()
-            self._decode_group(lo, hi)
+        """Admit what fits, then each row group's turn as the policy plans it (one turn without
+        pipeline stages): one prefill chunk, then the group's rows choose their next tokens and decode
+        one step."""
+        for turn in self._admit().turns:
+            if turn.chunk is not None:
+                self._prefill(turn.chunk)
+            self._decode_group(*turn.group)
 
     @property
     def wavefront(self) -> bool:
@@ -419,37 +354,47 @@ class ARScheduler:
         return sorted(self.prefilling + self.running, key=lambda s: s.order)
 
     # -- admission --------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        while self.waiting:
-            seq = self.waiting[0]
-            if seq.solo and self.slots:
-                return  # a row retried alone waits for an empty batch
-            if any(s.solo for s in self.slots.values()):
-                return
-            if self.admission.gate is not None and not self.admission.gate(len(self.slots)):
-                if not self.slots:  # a gate that does not block: do not spin
-                    time.sleep(0.005)
-                return  # held back: the rows downstream catch up first
-            if seq.row is None and not self._prepare(seq):
-                continue
-            capacity = self.policy.capacity_for(seq.need)
-            if self.policy.rows_that_fit(capacity) < 1:
-                self.waiting.popleft()
-                self._fail(seq, self._too_large(seq, capacity))
-                continue
-            if self.pool is None or capacity > self.pool.capacity:
-                if self.slots:
-                    return  # a longer row: the pool grows once the rows in flight have left
-                error = self._allocate(capacity)
+    def _admit(self) -> StepPlan:
+        """The policy's admission, carried out round by round: the rows it takes (into a slot, or
+        failed as too large), then what it asks about the first row still waiting (the gate's
+        answer, the row prepared, a pool of its size allocated), until it plans the step's turns."""
+        gate_says: bool | None = None  # the gate's answer for the first waiting row
+        while True:
+            plan = self.policy.plan(self._state(gate_says))
+            for admit in plan.admit:
+                self._take(admit)
+            if plan.admit:
+                gate_says = None  # another row is first now
+            if plan.ask == GATE:
+                gate_says = self.admission.gate(len(self.slots))
+            elif plan.ask == PREPARE:
+                if not self._prepare(self.waiting[0]):
+                    gate_says = None  # it failed and left: the gate is asked for the next one
+            elif plan.ask == GROW:
+                seq = self.waiting[0]
+                error = self._allocate(plan.grow_pool_to)
                 if error is not None:  # not even one slot of this row's size fits (on some rank)
                     self.waiting.popleft()
-                    self._fail(seq, self._too_large(seq, capacity, error))
-                    continue
-            free = self.policy.free_slot(self.groups, self.slots)
-            if free is None:
-                return
-            self.waiting.popleft()
-            self._place(seq, free)
+                    self._fail(seq, self._too_large(seq, plan.grow_pool_to, error))
+                    gate_says = None
+            else:
+                if plan.held_idle:  # a gate that does not block: do not spin
+                    time.sleep(0.005)
+                return plan
+
+    def _state(self, gate_says: bool | None) -> StepState:
+        return StepState(self.waiting, self.slots, self.prefilling, self.groups,
+                         None if self.pool is None else self.pool.capacity, self.admission.max_num_batched_tokens,
+                         self.admission.gate is not None, gate_says)
+
+    def _take(self, admit: Admit) -> None:
+        """A waiting row the policy took: it fails as too large, or joins the batch in its slot."""
+        seq = self.waiting.popleft()
+        assert seq is admit.row, "the policy takes the waiting rows in order"
+        if admit.slot is None:
+            self._fail(seq, self._too_large(seq, admit.capacity))
+        else:
+            self._place(seq, admit.slot)
 
     def _prepare(self, seq: _Seq) -> bool:
         """The row's prompt (images encoded), or its failure: a bad input fails the row."""
@@ -469,6 +414,7 @@ class ARScheduler:
         seq.need = self.policy.need(seq.prompt_len)
         seq.positions = seq.row.seq.positions()
         seq.blocks = seq.row.seq.block_ids()
+        seq.block_ids = seq.blocks.tolist()
         seq.generator = self.ar.sampling_generator(seq.row)
         return True
 
@@ -530,8 +476,8 @@ class ARScheduler:
                 return None
             self._release()
             self.stats.events.append(f"{type(error).__name__} allocating a K/V pool of {rows} row(s)")
-            if rows == 1:
-                return error
+            if self.policy.after_failure(rows, rows, out_of_memory=True, solo=False) == "fail":
+                return error  # a pool of one slot: this row does not fit alone
             self.stats.oom_retries += 1
             self._halve(rows, rows)
 
@@ -552,14 +498,12 @@ class ARScheduler:
         self.stats.peak_rows = max(self.stats.peak_rows, len(self.slots))
 
     # -- prefill ----------------------------------------------------------------------------------
-    def _prefill_next(self) -> None:
+    def _prefill(self, chunk: Chunk) -> None:
         """One chunk of the oldest prefilling row; a row whose prompt is complete starts decoding
         (under pipeline stages once its last chunk's result has come back: `_land`)."""
-        if not self.prefilling:
-            return
-        seq = self.prefilling[0]
+        seq, end = chunk.row, chunk.end
+        assert seq is self.prefilling[0] and seq.length == chunk.start, "the plan's chunks follow the prompts"
         t0 = time.perf_counter()
-        end = self._chunk_end(seq, seq.length, self.admission.max_num_batched_tokens)
         ids = seq.row.seq.cond_ids
         x = None
         if self.model.pipeline is None or self.model.pipeline.pp_rank == 0:  # later stages receive theirs
@@ -586,17 +530,6 @@ class ARScheduler:
         """The row's first logits from its prompt's last hidden state [1, hidden]: it decodes from now."""
         self.logits[seq.slot] = self.model.text_logits(last)[0]
         self.running.append(seq)
-
-    @staticmethod
-    def _chunk_end(seq: _Seq, start: int, limit: int) -> int:
-        """The end of the chunk from `start`: at most `limit` tokens, extended to the end of an
-        image block it would split."""
-        n = seq.prompt_len
-        end = min(n, start + max(1, limit))
-        blocks = seq.blocks
-        while end < n and blocks[end - 1] >= 0 and blocks[end] == blocks[end - 1]:
-            end += 1
-        return end
 
     def _forward_row(self, seq: _Seq, x: torch.Tensor | None, positions: torch.Tensor, k_blocks: torch.Tensor,
                      back: bool = True):
@@ -759,7 +692,8 @@ class ARScheduler:
             rows = [self.waiting.popleft()]  # failed while being prepared or placed, alone
         for seq in rows:
             self._leave(seq)
-            seq.row, seq.length, seq.prefill_s, seq.decode_s, seq.steps, seq.batch_sum = None, 0, 0.0, 0.0, 0, 0
+            seq.row, seq.need, seq.length = None, None, 0  # prepared again (same prompt, same seed)
+            seq.prefill_s, seq.decode_s, seq.steps, seq.batch_sum = 0.0, 0.0, 0, 0
         pool_rows = self.pool.k_rows[0].shape[0] if self.pool is not None else 0
         self._release()
         oom = is_out_of_memory(error)
