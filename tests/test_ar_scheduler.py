@@ -358,7 +358,8 @@ def test_every_pipeline_stage_sizes_its_pool_for_the_fullest_stage():
     """3 layers over 2 stages (2 + 1): both stages count 2 layers per token, so they admit alike."""
     from components.engine.config import tiny_config
     from components.engine.engine import build_model
-    from components.engine.parallel import ParallelContext, stage_layers
+    from components.engine.parallel import stage_layers
+    from components.runtime.parallel import ParallelContext
 
     model = build_model(tiny_config().replace(num_hidden_layers=3, moe_topk=[2] * 3, moe_intermediate_size=[64] * 3,
                                               num_shared_expert=[1] * 3), "cpu")

@@ -410,7 +410,7 @@ def _tp_rank(rank: int, world: int, port: int, outdir: str) -> None:
     import torch.distributed as dist
 
     from components.engine import Engine
-    from components.engine.parallel import ParallelContext
+    from components.runtime.parallel import ParallelContext
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -207,7 +207,8 @@ def test_kernel_setting_selects_the_moe_path(moe, monkeypatch):
 def _rank_halves(moe):
     """The two tensor-parallel ranks' MoEs (experts split in halves), as one process can run them
     (the all-reduce that sums them is left out: world size 1, the test sums)."""
-    from components.engine.parallel import ParallelContext, ParallelMoE
+    from components.engine.parallel import ParallelMoE
+    from components.runtime.parallel import ParallelContext
 
     ctx = ParallelContext(rank=0, world_size=1, device=torch.device("cpu"))
     halves = []

@@ -24,7 +24,8 @@ from components.engine.ar import ARRequest, SamplingParams
 from components.engine.dit import DiTRequest
 from components.engine.kernels.decode import decode_mode
 from components.engine.kvcache import PromptKV
-from components.engine.parallel import ParallelContext, kv_head_range
+from components.engine.parallel import kv_head_range
+from components.runtime.parallel import ParallelContext
 from components.engine.transformer import attention_mask
 
 from . import parallel_targets

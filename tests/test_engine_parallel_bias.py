@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from components.engine.parallel import ParallelContext, RowBiasOnce, split
+from components.engine.parallel import RowBiasOnce, split
+from components.runtime.parallel import ParallelContext
 
 TP = 2
 

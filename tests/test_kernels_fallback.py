@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from components.engine import kernels
 from components.engine.kernels import attention as flex_kernels
 from components.engine.kernels import compiled_layers
-from components.engine.parallel import ParallelContext, RankLost
+from components.engine.kernels import RankLost
+from components.runtime.parallel import ParallelContext
 from components.engine.transformer import SlotMask, attend
 
 from .test_engine_parallel import _free_port

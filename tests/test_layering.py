@@ -15,7 +15,9 @@ Rules:
   whatever step function it is given, and what is step-specific (an AR step's restart from its
   halved budget) comes in with the call (run_step's `restart_from`).
 - the model (components/engine/transformer.py) talks to no other rank: its pipeline stages' hand-offs
-  are engine/parallel.py's PipelineStages, which `parallelize` gives a staged model from outside.
+  are the runtime's PipelineStages (components/runtime/parallel.py), which `parallelize` gives a
+  staged model from outside (`ctx.stages()`);
+- no file of the engine reaches torch.distributed: the collectives are the runtime's.
 Each rule has a negative control: a planted violation in a small tree under tmp_path is found.
 
 An import of `a.b.c` counts as depending on the module `a.b.c` only, not on its parent packages,
@@ -301,3 +303,40 @@ def test_a_stage_hand_off_in_the_model_is_found() -> None:
                "        return pp.broadcast_from_last_stage(run_stage(x))\n")
     assert _rank_calls(planted) == ["4: .pp_rank", "5: .pp_rank", "5: .recv_any_stage",
                                     "6: .broadcast_from_last_stage"]
+
+
+def _distributed_uses(source: str) -> list[str]:
+    """Where the source reaches torch.distributed (an import of it, or `torch.distributed.x`), by line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+            found.append(f"{node.lineno}: import")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found.append(f"{node.lineno}: import")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "distributed"
+                                                                                 for a in node.names):
+            found.append(f"{node.lineno}: import")
+        elif isinstance(node, ast.Attribute) and node.attr == "distributed" and \
+                isinstance(node.value, ast.Name) and node.value.id == "torch":
+            found.append(f"{node.lineno}: torch.distributed")
+    return sorted(set(found))
+
+
+def test_the_engine_knows_no_ranks() -> None:
+    """No file of the engine reaches torch.distributed: the ranks' collectives and stage hand-offs
+    are the runtime's (components/runtime/parallel.py), handed to the engine as its ParallelContext."""
+    uses = {str(path.relative_to(ROOT)): _distributed_uses(path.read_text())
+            for path in sorted((ROOT / "components" / "engine").rglob("*.py"))}
+    assert {path: found for path, found in uses.items() if found} == {}
+    assert _distributed_uses((ROOT / "components" / "runtime" / "parallel.py").read_text())  # the rule's reach
+
+
+def test_a_collective_in_the_engine_is_found() -> None:
+    """The shape engine/parallel.py had: the context's collectives inside the engine."""
+    planted = ("class ParallelContext:\n"
+               "    def all_reduce_(self, t):\n"
+               "        import torch.distributed as dist\n"
+               "        dist.all_reduce(t)\n"
+               "def world():\n"
+               "    return torch.distributed.get_world_size()\n")
+    assert _distributed_uses(planted) == ["3: import", "6: torch.distributed"]

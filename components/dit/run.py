@@ -247,7 +247,7 @@ def _denoise_rows(engine, out_io: _RowWriter, rows: list[_DiTRow], *, gen: dict[
     """Denoise and write `rows`: one by one, or together through the pipeline schedule when the
     engine runs in pipeline stages (if that fails, row by row, so a bad row names itself)."""
     from components.engine import AROutput, DiTRequest, kernels
-    from components.engine.parallel import RankLost
+    from components.engine.kernels import RankLost
 
     fallbacks = kernels.FallbacksSince()  # a pipeline group's count goes to its first row
     requests = {}

@@ -308,7 +308,7 @@ class ARScheduler:
                     fault_hook(self)
                 self.step()
             except Exception as e:  # noqa: BLE001 - decided below: retry smaller, alone, or fail the row
-                from .parallel import RankLost
+                from .kernels import RankLost
 
                 if isinstance(e, RankLost):
                     raise

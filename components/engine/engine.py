@@ -40,7 +40,7 @@ class Engine:
     generation_config: Any = None  # components.engine.generation_config.GenerationConfig
     system_prompts: dict[str, str] | None = None
     load_stats: LoadStats = field(default_factory=LoadStats)
-    parallel: Any = None  # components.engine.parallel.ParallelContext when tensor parallel
+    parallel: Any = None  # components.runtime.parallel.ParallelContext when tensor parallel
 
     @classmethod
     def load(cls, model: str = "tiny", weights: str | Path | None = None, device: str = "cpu",

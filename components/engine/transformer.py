@@ -476,7 +476,7 @@ class HunyuanImage3ForCausalMM(nn.Module):
         self.lm_head = nn.Linear(hidden, cfg.vocab_size, bias=False)
         self.stage_layers = range(cfg.num_hidden_layers)  # the decoder layers this pipeline stage holds
         # the hand-offs around them when the model runs in several pipeline stages (set from outside,
-        # by parallel.parallelize: a parallel.PipelineStages), else None
+        # by parallel.parallelize: the runtime's PipelineStages), else None
         self.stages = None
 
     @property

@@ -298,7 +298,7 @@ def _context(rank: int, world: int, device, cfg_parallel: bool, pipeline_paralle
     as torch.distributed requires."""
     import torch.distributed as dist
 
-    from components.engine.parallel import ParallelContext
+    from components.runtime.parallel import ParallelContext
 
     if pipeline_parallel_size > 1:
         pp, tp = pipeline_parallel_size, world // pipeline_parallel_size
