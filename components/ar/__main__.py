@@ -1,6 +1,7 @@
 """python -m components.ar --output URI --run-id ID --shard K [--model tiny] [--kv-store URL] ...
+   python -m components.ar --config FILE_OR_JSON --shard K
 
-The flags make the step's JobConfig.
+The flags (or --config: a JobConfig's to_dict() JSON) make the step's JobConfig.
 Generation settings left out (or passed empty) come from the model's generation config.
 Exit codes: 0 ok, 2 configuration error (one line on stderr), 130 interrupted."""
 
