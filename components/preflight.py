@@ -340,10 +340,8 @@ def check_job(config: JobConfig) -> dict[str, Any]:
         if config.pipeline_parallel_size > 1:
             check_pipeline_stages(config.model, config.pipeline_parallel_size)
         check_tensor_parallel(config.model, config.tensor_parallel_size)
-        engine = (config.model, config.weights, config.dummy_weights, config.dtype, config.quantization, config.seed)
-        ar = ({"ar_from_run": config.ar_from_run} if config.ar_from_run else
-              ar_settings(*engine, gen, config.batch_invariant))
-        dit = dit_settings(*engine, gen, config.step_cache)
+        ar = {"ar_from_run": config.ar_from_run} if config.ar_from_run else ar_settings(config, gen)
+        dit = dit_settings(config, gen)
         state = layout.state()  # the run's manifest, settings and commits: the job reads them only here
         layout.check_settings("ar", ar, state.settings["ar"])  # a resumed run: same settings, or a clear refusal
         layout.check_settings("dit", dit, state.settings["dit"])

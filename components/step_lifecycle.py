@@ -1,9 +1,10 @@
 """What the AR and DiT steps do around their rows, the same way for both.
 
-    step = begin_step("ar", ...)      open the run, remember the step's settings (a resumed run
-                                      must bring the same ones), pick the progress display
+    step = begin_step("ar", ..., config, shard, ...)
+                                      open the config's run, remember the step's settings (a
+                                      resumed run must bring the same ones), pick the progress display
     step.skip(why)                    nothing to do (the shard is committed): say so, return
-    engine = step.load_engine(...)    load (or reuse) the engine, timed; start measuring GPU
+    engine = step.load_engine(config) load (or reuse) the engine, timed; start measuring GPU
                                       memory and compiles; fetch the job's compile cache
     ... the step's own work on its rows ...
     step.write_timing(**step.usage(), ...)   the step's record: load and wall time, memory, compiles
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from components.data.runs import RunLayout
+from components.jobconfig import JobConfig
 from components.models import load_engine
 from components.progress import LogProgress, NoProgress
 
@@ -49,18 +51,15 @@ class Step:
         self.progress.skip(self.label, why)
         return {"shard": self.shard, "skipped": why}
 
-    def load_engine(self, model: str, weights: str | None, device: str, dtype: str | None, seed: int,
-                    dummy_weights: bool, tensor_parallel_size: int, quantization: str | None,
-                    pipeline_parallel_size: int) -> Any:
-        """The step's engine (components.models.load_engine: this process's, when it has it loaded
-        already), and the step's measures started: its load time, GPU memory and compiles from here on, and the job's
-        compile cache attached (a fresh container starts warm)."""
+    def load_engine(self, config: JobConfig) -> Any:
+        """The step's engine for `config`'s model fields (job_engine: this process's, when it has it
+        loaded already), and the step's measures started: its load time, GPU memory and compiles from
+        here on, and the job's compile cache attached (a fresh container starts warm)."""
         from components.engine import compile_cache
         from components.engine.step_memory import StepCompiles, StepMemory
 
         t_load = time.perf_counter()
-        self.engine = load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size,
-                                  quantization, self.parallel, pipeline_parallel_size)
+        self.engine = job_engine(config, self.parallel)
         self.t_step = time.perf_counter()
         self.load_s = self.t_step - t_load  # 0 when this process had it loaded (a job's later steps)
         self.memory, self.compiling = StepMemory(self.engine.model.device), StepCompiles()
@@ -84,14 +83,20 @@ class Step:
             self.compiles.persist()  # what this step compiled, for the next process
 
 
-def begin_step(name: str, label: str, output: str, run_id: str, shard: int, settings: dict[str, Any],
+def job_engine(config: JobConfig, parallel: Any = None) -> Any:
+    """components.models.load_engine with the fields of `config` that choose the engine."""
+    return load_engine(config.model, config.weights, config.device, config.dtype, config.seed, config.dummy_weights,
+                       config.tensor_parallel_size, config.quantization, parallel, config.pipeline_parallel_size)
+
+
+def begin_step(name: str, label: str, config: JobConfig, shard: int, settings: dict[str, Any],
                parallel: Any = None, progress: Any = None) -> Step:
-    """Open the run and remember the step's `settings` (ConfigError when they differ from those the
-    run started with). `progress`: the caller's display; by default log lines on the owner rank of a
+    """Open `config`'s run and remember the step's `settings` (ConfigError when they differ from
+    those the run started with). `progress`: the caller's display; by default log lines on the owner rank of a
     parallel step and nothing elsewhere."""
     owner = parallel is None or parallel.is_first
-    layout = RunLayout.open(output, run_id)
+    layout = RunLayout.open(config.output, config.run_id)
     if owner:
         layout.remember_settings(name, settings)
     progress = progress or (LogProgress() if parallel is not None and owner else NoProgress())
-    return Step(name, label, output, shard, layout, owner, parallel, progress)
+    return Step(name, label, config.output, shard, layout, owner, parallel, progress)

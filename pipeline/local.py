@@ -86,27 +86,20 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
     layout.remember_settings("dit", plan["settings"]["dit"], state.settings["dit"])
     if config.ar_from_run:
         _copy_ar_outputs(config.output, config.ar_from_run, config.run_id, manifest["num_shards"])
-    engine = dict(model=config.model, weights=config.weights, dummy_weights=config.dummy_weights,
-                  tensor_parallel_size=config.tensor_parallel_size, quantization=config.quantization,
-                  kv_store=job_kv_store(config.output, config.run_id, config.kv_store), device=plan["device"],
-                  dtype=config.dtype, seed=config.seed)
-    if config.pipeline_parallel_size != 1:
-        engine["pipeline_parallel_size"] = config.pipeline_parallel_size
+    # the config the steps take: what the checks resolved, put in once (the device, the K/V store,
+    # generation settings filled from the model's generation config)
+    steps_config = config.replace(device=plan["device"], **gen,
+                                  kv_store=job_kv_store(config.output, config.run_id, config.kv_store))
     overlap = overlaps(config, plan["device"])
 
     def shard_steps(shard: int) -> list[ShardStep]:
-        where = dict(output=config.output, run_id=config.run_id, shard=shard)
-        ar = dict(batch_size=config.batch_size, export_kv=config.kv_reuse, batch_invariant=config.batch_invariant,
-                  gpu_memory_utilization=config.gpu_memory_utilization,
-                  max_num_batched_tokens=config.max_num_batched_tokens, **{k: gen[k] for k in AR_GENERATION})
-        dit = dict(steps=gen["steps"], guidance=gen["guidance"], flow_shift=gen["flow_shift"],
-                   kv_reuse=config.kv_reuse, save_latents=config.save_latents, step_cache=config.step_cache)
+        step = {"config": steps_config, "shard": shard}
         if config.ar_from_run:
-            steps = {"dit": {**where, **dit, **engine}}
+            steps = {"dit": step}
         elif overlap:  # one step: the shard's AR and DiT at once on the copy's engine (and the next shards')
-            steps = {"overlap": {**where, "ar": ar, "dit": dit, **engine, **({"then": chained} if chained else {})}}
+            steps = {"overlap": {**step, **({"then": chained} if chained else {})}}
         else:
-            steps = {"ar": {**where, **ar, **engine}, "dit": {**where, **dit, **engine}}
+            steps = {"ar": step, "dit": step}
         return [(STEP_TARGETS[name], kwargs, RESTART_FROM[name]) for name, kwargs in steps.items()]
 
     todo = state.todo(manifest["num_shards"])  # resume: the rest
@@ -139,9 +132,6 @@ def run_job(config: JobConfig, *, progress: bool | str = "auto",
                              f"shard(s) {replicas.left} were not committed: run the same command again to resume")
     summary.setdefault("wall_s", round(time.perf_counter() - t0, 3))
     return summary
-
-
-AR_GENERATION = ("bot_task", "system_prompt", "max_new_tokens", "temperature", "top_k", "top_p")
 
 
 def overlaps(config: JobConfig, device: str) -> bool:

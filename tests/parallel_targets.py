@@ -66,13 +66,13 @@ def engine_row(outdir: str, device: str, parallel) -> None:
                      "cache_rows": rows_seen}, f)
 
 
-def dit_killing_rank1(device: str, parallel, **kwargs) -> dict:
+def dit_killing_rank1(parallel, **kwargs) -> dict:
     """The DiT step, with rank 1 killed (SIGKILL) once it finished its first row."""
     if parallel.rank == 1:
         _kill_after_first_row()
     from components.dit.run import run
 
-    return run(device=device, parallel=parallel, **kwargs)
+    return run(parallel=parallel, **kwargs)
 
 
 _calls = 0
@@ -212,7 +212,7 @@ def _decode_went_through_compiled_regions() -> bool:
     return True in compiled_layers._regions
 
 
-def dit_killing_stage1(device: str, parallel, **kwargs) -> dict:
+def dit_killing_stage1(parallel, **kwargs) -> dict:
     """The DiT step, with pipeline stage 1 killed (SIGKILL) in the middle of its first row group's
     denoising (its third (step, row) item)."""
     if parallel.pp_rank == 1:
@@ -229,7 +229,7 @@ def dit_killing_stage1(device: str, parallel, **kwargs) -> dict:
         pipeline_schedule._item = twice_then_die
     from components.dit.run import run
 
-    return run(device=device, parallel=parallel, **kwargs)
+    return run(parallel=parallel, **kwargs)
 
 
 def pipeline_group(outdir: str, device: str, parallel) -> None:

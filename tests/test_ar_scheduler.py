@@ -13,6 +13,7 @@ from components.engine import ar_scheduler
 from components.engine.ar import ARGenerator, ForcedCot
 from components.engine.ar_scheduler import Admission, RowTooLarge
 
+from .step_config import step_config
 from .test_engine_helpers import random_image, tiny_engine
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
@@ -273,13 +274,13 @@ def test_resume_retries_a_transient_row_but_not_a_bad_input_row(tmp_path, monkey
 
     monkeypatch.setattr(ARGenerator, "prepare_row", prepare)
     monkeypatch.setattr(ar_scheduler, "fault_hook", oom_with_flaky)
-    steps = dict(max_new_tokens=4)
-    result = run_ar(output, "rs", 0, **steps)
+    ar_config = step_config(output, "rs", max_new_tokens=4)
+    result = run_ar(ar_config, 0)
     assert result["errors"] == 2
     kinds = {i: r["error_kind"] for i, r in read_ar_rows(layout, 0).items()}
     assert kinds[bad] == "input" and kinds[flaky] == "transient"
     with pytest.raises(RuntimeError, match=f"1 row\\(s\\) failed in the AR step for a transient reason.*{flaky}"):
-        run_dit(output, "rs", 0, steps=1)
+        run_dit(step_config(output, "rs", steps=1), 0)
     assert not layout.is_committed(0)
 
     monkeypatch.setattr(ar_scheduler, "fault_hook", None)  # the GPU has room again
@@ -287,9 +288,9 @@ def test_resume_retries_a_transient_row_but_not_a_bad_input_row(tmp_path, monkey
     real_stream = ARGenerator.stream
     monkeypatch.setattr(ARGenerator, "stream",
                         lambda self, reqs, *a, **k: seen.extend(r.id for r in reqs) or real_stream(self, reqs, *a, **k))
-    run_ar(output, "rs", 0, **steps)
+    run_ar(ar_config, 0)
     assert seen == [flaky]  # only the transient row runs again; the bad row stays an error
-    run_dit(output, "rs", 0, steps=1)
+    run_dit(step_config(output, "rs", steps=1), 0)
     rows = {r["id"]: r for r in layout.read_rows(0).to_pylist()}
     assert layout.is_committed(0) and rows[flaky]["status"] == "ok"
     assert rows[bad]["status"] == "error" and "bad prompt" in rows[bad]["error"]
@@ -311,11 +312,11 @@ def test_the_run_keeps_the_halved_budget_for_its_next_steps(tmp_path, monkeypatc
     run_shard(dataset, output, "b", 2, "edit")
     layout = RunLayout.open(output, "b")
     asked = _oom_on_first_pool(load_engine("tiny", None, "cpu", None), monkeypatch)
-    run_ar(output, "b", 0, max_new_tokens=4)
+    run_ar(step_config(output, "b", max_new_tokens=4), 0)
     assert asked[:2] == [2, 1]
     budget = layout.read_json(layout.settings_key("ar_budget"))
     assert budget["max_rows"] == 1 and budget["shard"] == 0 and budget["device"] == "cpu", budget
-    run_ar(output, "b", 1, max_new_tokens=4)
+    run_ar(step_config(output, "b", max_new_tokens=4), 1)
     assert asked[2:] == [1]  # no pool of 2 rows tried again
     record = layout.read_json(layout.step_timing_key(1, "ar"))
     assert record["budget_from_run"] == {"max_rows": 1, "kv_budget_bytes": None}
@@ -332,10 +333,12 @@ def test_step_options_are_checked_and_passed(monkeypatch, tmp_path):
     monkeypatch.setattr(ar_main, "run_step", lambda target, kwargs, progress, **kw: seen.update(kwargs) or {})
     base = ["--output", str(tmp_path), "--run-id", "r", "--shard", "0"]
     assert ar_main.main(base) == 0
-    assert (seen["batch_size"], seen["gpu_memory_utilization"], seen["max_num_batched_tokens"]) == ("auto", 0.9, None)
+    config = seen["config"]
+    assert (config.batch_size, config.gpu_memory_utilization, config.max_num_batched_tokens) == ("auto", 0.9, None)
     assert ar_main.main(base + ["--batch-size", "40", "--gpu-memory-utilization", "0.8",
                                 "--max-num-batched-tokens", "512"]) == 0
-    assert (seen["batch_size"], seen["gpu_memory_utilization"], seen["max_num_batched_tokens"]) == (40, 0.8, 512)
+    config = seen["config"]
+    assert (config.batch_size, config.gpu_memory_utilization, config.max_num_batched_tokens) == (40, 0.8, 512)
     for bad in (dict(batch_size="many"), dict(batch_size=0), dict(gpu_memory_utilization=1.5),
                 dict(max_num_batched_tokens=0)):
         with pytest.raises(ConfigError, match=r"^--(batch-size|gpu-memory-utilization|max-num-batched-tokens) .*: must be "):

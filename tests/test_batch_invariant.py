@@ -20,6 +20,7 @@ import torch
 
 from components.engine import ARRequest, Engine, SamplingParams, kernels
 
+from .step_config import step_config
 from .test_engine_helpers import random_image
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=12)
@@ -102,13 +103,13 @@ def test_ar_step_records_the_setting_and_refuses_another_on_resume(tmp_path):
     output = str(tmp_path / "out")
     run_shard(dataset, output, "bi", 1, "edit")
     before = kernels.settings()
-    result = run_ar(output, "bi", 0, batch_size=2, max_new_tokens=3, batch_invariant=True, export_kv=False)
+    result = run_ar(step_config(output, "bi", batch_size=2, max_new_tokens=3, batch_invariant=True, kv_reuse=False), 0)
     assert result["batch_invariant"] is True and result["rows"] == 2 and result["errors"] == 0
     assert kernels.settings() == before  # the step's setting does not leak into the process
     layout = RunLayout.open(output, "bi")
     assert layout.read_json(layout.settings_key("ar"))["batch_invariant"] is True
     with pytest.raises(ConfigError, match=r"batch_invariant True \(now False\)"):
-        run_ar(output, "bi", 0, batch_size=2, max_new_tokens=3, export_kv=False)
+        run_ar(step_config(output, "bi", batch_size=2, max_new_tokens=3, kv_reuse=False), 0)
 
 
 def test_step_program_and_cli_pass_the_flag(monkeypatch, tmp_path):
@@ -118,10 +119,10 @@ def test_step_program_and_cli_pass_the_flag(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(ar_main, "run_step", lambda target, kwargs, progress, **kw: seen.update(kwargs) or {})
     assert ar_main.main(["--output", str(tmp_path), "--run-id", "r", "--shard", "0", "--batch-invariant"]) == 0
-    assert seen["batch_invariant"] is True
+    assert seen["config"].batch_invariant is True
     seen.clear()
     assert ar_main.main(["--output", str(tmp_path), "--run-id", "r", "--shard", "0"]) == 0
-    assert seen["batch_invariant"] is False
+    assert seen["config"].batch_invariant is False
 
     from pipeline.cli import main as ardit
 

@@ -192,10 +192,11 @@ def test_resume_with_other_settings_is_refused(capfd, tmp_path, datasets):
     from components.data.runs import RunLayout
     from components.dit.run import dit_settings
     from components.generation import generation_defaults, resolve_generation
+    from components.jobconfig import JobConfig
 
     gen = resolve_generation("tiny")
     RunLayout.open(str(tmp_path / "out"), "r2").remember_settings(
-        "dit", dit_settings("tiny", None, False, None, None, 0, gen))
+        "dit", dit_settings(JobConfig(datasets["edit"], str(tmp_path / "out"), "r2"), gen))
     code, _, err = ardit(capfd, "edit", datasets["edit"], "-o", str(tmp_path / "out"), "--run-id", "r2",
                          "--steps", str(gen["steps"] + 1), "--guidance", "1.5")
     one_line_error(code, err, f"steps {gen['steps']} (now {gen['steps'] + 1})", "guidance 5.0 (now 1.5)",

@@ -8,6 +8,8 @@ import pytest
 
 from components.data.runs import RunLayout
 
+from .step_config import step_config
+
 
 @pytest.mark.slow
 def test_a_failed_pipeline_group_is_said_counted_and_its_rows_still_come_out(tmp_path, monkeypatch, capfd):
@@ -20,7 +22,7 @@ def test_a_failed_pipeline_group_is_said_counted_and_its_rows_still_come_out(tmp
     dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=2, seed=5)
     out = str(tmp_path / "out")
     run_shard(dataset, out, "g", 1, "generate")
-    run_ar(out, "g", 0, max_new_tokens=4)
+    run_ar(step_config(out, "g", max_new_tokens=4), 0)
 
     def group_fails(dit, requests):
         raise RuntimeError("stage 1: the group's hand-off failed (injected)")
@@ -28,7 +30,7 @@ def test_a_failed_pipeline_group_is_said_counted_and_its_rows_still_come_out(tmp
     monkeypatch.setattr(pipeline_schedule, "rows_in_flight", lambda model: 2)
     monkeypatch.setattr(pipeline_schedule, "denoise_rows", group_fails)
     capfd.readouterr()
-    result = run_dit(out, "g", 0, steps=1)
+    result = run_dit(step_config(out, "g", steps=1), 0)
     err = capfd.readouterr().err
     assert "dit: 2 rows denoised together through the pipeline stages failed (RuntimeError: stage 1: the " \
            "group's hand-off failed (injected)); denoising them one by one" in err, err

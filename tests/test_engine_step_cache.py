@@ -64,8 +64,10 @@ def test_bad_step_cache_is_one_config_error(bad):
 
 def test_step_cache_is_a_remembered_dit_setting():
     from components.dit.run import dit_settings
+    from components.jobconfig import JobConfig
 
     gen = {"steps": 8, "guidance": 5.0, "flow_shift": 3.0}
-    a = dit_settings("tiny", None, False, None, None, 0, gen)
-    b = dit_settings("tiny", None, False, None, None, 0, gen, 0.1)
+    config = JobConfig(dataset="d", output="o", run_id="r")
+    a = dit_settings(config, gen)
+    b = dit_settings(config.replace(step_cache=0.1), gen)
     assert a["step_cache"] == 0.0 and b["step_cache"] == 0.1  # a resume with another value is refused

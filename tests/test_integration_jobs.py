@@ -29,6 +29,7 @@ import pytest
 
 from tests.fixtures_mooncake import mooncake_servers, mooncake_url  # noqa: F401  (pytest fixtures)
 from tests.fixtures_s3 import FlakyS3Proxy, s3_env, s3_prefix, seaweedfs  # noqa: F401  (pytest fixtures)
+from tests.step_config import step_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["--steps", "3"]
@@ -228,7 +229,7 @@ def test_dit_killed_after_first_row_resumes_without_redoing_it(tmp_path):
     count_tokens, is_supported_size, max_tokens = model_validators("tiny")
     run_shard(dataset, output, run_id, 1, "edit", count_tokens=count_tokens, is_supported_size=is_supported_size,
               max_prompt_tokens=max_tokens)
-    run_ar(output, run_id, 0, max_new_tokens=6, device="cpu")
+    run_ar(step_config(output, run_id, max_new_tokens=6), 0)
     ids = [f"edit-{i:04d}" for i in range(3)]
     kv = open_store(default_kv_store(output, run_id))
     assert kv.keys(run_id) == [f"{run_id}/0/{i}" for i in ids]
@@ -420,7 +421,7 @@ def test_dit_step_fails_cleanly_on_an_s3_outage_at_commit_then_resumes(s3_env, s
     count_tokens, is_supported_size, max_tokens = model_validators("tiny")
     run_shard(dataset, output, run_id, 1, "generate", count_tokens=count_tokens,
               is_supported_size=is_supported_size, max_prompt_tokens=max_tokens)
-    run_ar(output, run_id, 0, max_new_tokens=6, device="cpu")
+    run_ar(step_config(output, run_id, max_new_tokens=6), 0)
     dit = ["components.dit", "--output", output, "--run-id", run_id, "--shard", "0", *ENGINE, *STEPS]
 
     outage = lambda method, path: method == "PUT" and "/shards/0/rows.parquet" in path  # noqa: E731
@@ -601,7 +602,7 @@ def test_dit_step_survives_a_mooncake_master_restart(tmp_path, monkeypatch):
         dataset = write_sample_generate_dataset(str(tmp_path / "gen.parquet"), n=3, seed=8)
         output, run_id = str(tmp_path / "out"), "restart"
         run_shard(dataset, output, run_id, 1, "generate")
-        run_ar(output, run_id, 0, kv_store=url, max_new_tokens=2, device="cpu")
+        run_ar(step_config(output, run_id, kv_store=url, max_new_tokens=2), 0)
         engine = load_engine("tiny", None, "cpu", None, 0)
         real = type(engine.dit).__call__
         done = []
@@ -614,7 +615,7 @@ def test_dit_step_survives_a_mooncake_master_restart(tmp_path, monkeypatch):
             return out
 
         monkeypatch.setattr(type(engine.dit), "__call__", restart_master_after_first_row)
-        result = run_dit(output, run_id, 0, kv_store=url, steps=1, device="cpu")
+        result = run_dit(step_config(output, run_id, kv_store=url, steps=1), 0)
         assert result["ok"] == 3 and result["failed"] == 0, result
         rows = pq.read_table(tmp_path / "out" / run_id / "shards" / "0" / "rows.parquet").to_pylist()
         assert rows[0]["kv_path"] == "reuse"

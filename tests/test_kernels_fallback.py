@@ -23,6 +23,7 @@ from components.engine.kernels import RankLost
 from components.runtime.parallel import ParallelContext
 from components.engine.transformer import SlotMask, attend
 
+from .step_config import step_config
 from .test_engine_parallel import _free_port
 
 
@@ -206,8 +207,8 @@ def test_kernel_fallbacks_reach_the_rows_and_the_summary(tmp_path, monkeypatch):
     count_tokens, is_supported_size, max_tokens = model_validators("tiny")
     run_shard(dataset, output, run_id, 1, "edit", count_tokens=count_tokens, is_supported_size=is_supported_size,
               max_prompt_tokens=max_tokens)
-    ar = run_ar(output, run_id, 0, max_new_tokens=6, device="cpu")
-    dit = run_dit(output, run_id, 0, steps=2, device="cpu")
+    ar = run_ar(step_config(output, run_id, max_new_tokens=6), 0)
+    dit = run_dit(step_config(output, run_id, steps=2), 0)
     assert calls, "flex attention was never asked for: the test would prove nothing"
     assert ar["errors"] == 0 and ar["kernel_fallbacks"] >= 1 and dit["kernel_fallbacks"] >= 1
     rows = pq.read_table(tmp_path / "out" / run_id / "shards" / "0" / "rows.parquet").to_pylist()

@@ -17,6 +17,7 @@ import torch
 
 from components.kvstore import GetResult, open_store
 from tests.fixtures_mooncake import mooncake_servers, mooncake_url  # noqa: F401
+from tests.step_config import step_config
 from tests.test_kvstore_payload import assert_same, make_kv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -452,12 +453,12 @@ def test_a_killed_runs_embedded_kv_expires_at_the_next_job_under_the_same_output
     for run_id in ("dead", "young", "next"):
         run_shard(dataset, out, run_id, 1, "generate")
     for run_id in ("dead", "young"):
-        run_ar(out, run_id, 0, max_new_tokens=4)
+        run_ar(step_config(out, run_id, max_new_tokens=4), 0)
     dead, young = Path(out, "dead", "_kv"), Path(out, "young", "_kv")
     assert len(list(dead.rglob("*.kv"))) == 2 and len(list(young.rglob("*.kv"))) == 2
     _age(dead, 25 * 3600)  # the embedded store's TTL is 24 h
     _age(young, 23 * 3600)
-    run_ar(out, "next", 0, max_new_tokens=4)
+    run_ar(step_config(out, "next", max_new_tokens=4), 0)
     assert not dead.exists()  # its payloads expired, and the emptied store directory went too
     assert len(list(young.rglob("*.kv"))) == 2
     assert len(list(Path(out, "next", "_kv").rglob("*.kv"))) == 2  # its own, for its DiT step

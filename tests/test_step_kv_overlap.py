@@ -19,6 +19,8 @@ import pytest
 
 from components.kvstore.local import LocalStore
 
+from .step_config import step_config
+
 STEPS = 1
 TOKENS = 2
 
@@ -51,7 +53,7 @@ def ar_once(tmp_path_factory):
     dataset = write_sample_generate_dataset(str(base / "gen.parquet"), n=4, seed=2)
     output, run_id = str(base / "out"), "ov"
     run_shard(dataset, output, run_id, 1, "generate")
-    result = run_ar(output, run_id, 0, max_new_tokens=TOKENS, device="cpu", batch_size=2)
+    result = run_ar(step_config(output, run_id, max_new_tokens=TOKENS, batch_size=2), 0)
     assert result["errors"] == 0
     return output, run_id
 
@@ -93,7 +95,7 @@ def _run_dit(monkeypatch, output, run_id, store, **kw):
         return real(self, request)
 
     monkeypatch.setattr(type(engine.dit), "__call__", recording)
-    result = dit.run(output, run_id, 0, steps=STEPS, device="cpu", **kw)
+    result = dit.run(step_config(output, run_id, steps=STEPS), 0, **kw)
     return result, seen
 
 
@@ -189,7 +191,7 @@ def test_failing_ar_step_deletes_what_it_put(tmp_path, monkeypatch):
     monkeypatch.setattr(ar_run._BackgroundPuts, "_put", recorded_put)
     store = open_store(default_kv_store(output, run_id))
     with pytest.raises(KeyboardInterrupt, match="^$"):  # as Ctrl-C: no message
-        ar_run.run(output, run_id, 0, max_new_tokens=TOKENS, device="cpu", batch_size=2)
+        ar_run.run(step_config(output, run_id, max_new_tokens=TOKENS, batch_size=2), 0)
     assert len(finished) == 2 and len(put) == 1  # the first row was put, then the step died
     assert store.keys() == []  # ... and deleted what it had put on its way out
     assert not (tmp_path / "out" / run_id / "shards" / "0" / "ar.parquet").exists()
@@ -238,7 +240,7 @@ def test_prefetch_overlap_by_the_order_of_events(ar_done, monkeypatch, prefetch)
         return out
 
     monkeypatch.setattr(type(engine.dit), "__call__", denoise)
-    result = dit.run(output, run_id, 0, steps=STEPS, device="cpu", prefetch=prefetch)
+    result = dit.run(step_config(output, run_id, steps=STEPS), 0, prefetch=prefetch)
     assert result["ok"] == 4
     overlapped = [events.index(("get", ids[k + 1])) < events.index(("denoise-end", ids[k]))
                   for k in range(len(ids) - 1)]

@@ -18,6 +18,7 @@ from components.runtime.dispatch import run_step
 from components.runtime.ranks import RankFailed
 
 from . import oom_targets, parallel_targets
+from .step_config import step_config
 from .test_engine_helpers import psnr
 
 GEN = dict(steps=2, guidance=5.0, flow_shift=3.0)
@@ -42,9 +43,9 @@ def _shard(dataset: str, output: str, run_id: str) -> None:
 
 def _job(dataset: str, output: str, run_id: str, ar_tp: int, dit_tp: int, **dit_extra) -> None:
     _shard(dataset, output, run_id)
-    common = dict(output=output, run_id=run_id, shard=0, model="tiny", device="cpu", seed=0)
-    run_step(ar_run, {**common, **AR, "tensor_parallel_size": ar_tp})
-    run_step(dit_run, {**common, **GEN, "tensor_parallel_size": dit_tp, **dit_extra})
+    run_step(ar_run, {"config": step_config(output, run_id, **AR, tensor_parallel_size=ar_tp), "shard": 0})
+    run_step(dit_run, {"config": step_config(output, run_id, **GEN, tensor_parallel_size=dit_tp, **dit_extra),
+                       "shard": 0})
 
 
 def _rows(output: str, run_id: str) -> dict[str, dict]:
@@ -87,13 +88,13 @@ def test_parallel_steps_match_one_process(dataset, baseline, tmp_path, ar_tp, di
 def test_a_killed_rank_fails_the_step_and_a_rerun_resumes(dataset, baseline, tmp_path):
     out = str(tmp_path)
     _shard(dataset, out, "kill")
-    common = dict(output=out, run_id="kill", shard=0, model="tiny", device="cpu", seed=0)
-    run_step(ar_run, {**common, **AR, "tensor_parallel_size": 2})
+    ar, dit = ({"config": step_config(out, "kill", **gen, tensor_parallel_size=2), "shard": 0} for gen in (AR, GEN))
+    run_step(ar_run, ar)
     with pytest.raises(RankFailed, match=r"rank 1 of 2 failed: exited with code -9 \(killed or crashed\)"):
-        run_step(parallel_targets.dit_killing_rank1, {**common, **GEN, "tensor_parallel_size": 2})
+        run_step(parallel_targets.dit_killing_rank1, dit)
     layout = RunLayout.open(out, "kill")
     assert not layout.is_committed(0)
-    run_step(dit_run, {**common, **GEN, "tensor_parallel_size": 2})
+    run_step(dit_run, dit)
     assert layout.is_committed(0)
     rows = _rows(out, "kill")
     assert sorted(rows) == sorted(_rows(baseline, "tp1")) and all(r["status"] == "ok" for r in rows.values())
@@ -130,14 +131,14 @@ def test_an_oom_on_one_rank_halves_the_batch_on_every_rank_and_the_step_complete
     that worked for its resume."""
     out = str(tmp_path)
     _shard(dataset, out, "oom")
-    common = dict(output=out, run_id="oom", shard=0, model="tiny", device="cpu", seed=0)
-    run_step(oom_targets.ar_out_of_memory_allocating, {**common, **AR, **ranks, "bad_rank": 1})
+    run_step(oom_targets.ar_out_of_memory_allocating,
+             {"config": step_config(out, "oom", **AR, **ranks), "shard": 0, "bad_rank": 1})
     layout = RunLayout.open(out, "oom")
     scheduler = layout.read_json(layout.step_timing_key(0, "ar"))["scheduler"]
     assert scheduler["oom_retries"] == 1 and scheduler["pool_rows"] == 1, scheduler
     assert "OutOfMemoryError allocating a K/V pool of 2 row(s)" in scheduler["events"][0]
     budget = layout.read_json(layout.settings_key("ar_budget"))
     assert budget["max_rows"] == 1 and budget["tensor_parallel_size"] == ranks.get("tensor_parallel_size", 1)
-    run_step(dit_run, {**common, **GEN})
+    run_step(dit_run, {"config": step_config(out, "oom", **GEN), "shard": 0})
     rows = _rows(out, "oom")
     assert len(rows) == 2 and all(r["status"] == "ok" and r["kv_path"] == "reuse" for r in rows.values()), rows

@@ -25,15 +25,15 @@ from components.runtime.dispatch import run_step
 from components.runtime.ranks import RankFailed
 
 from . import oom_targets, parallel_targets
+from .step_config import step_config
 from .test_engine_helpers import psnr
 from .test_steps_parallel import AR, GEN, _image, _rows, _shard
 
 
 def _job(dataset: str, output: str, run_id: str, ar: dict, dit: dict) -> None:
     _shard(dataset, output, run_id)
-    common = dict(output=output, run_id=run_id, shard=0, model="tiny", device="cpu", seed=0)
-    run_step(ar_run, {**common, **AR, **ar})
-    run_step(dit_run, {**common, **GEN, **dit})
+    run_step(ar_run, {"config": step_config(output, run_id, **AR, **ar), "shard": 0})
+    run_step(dit_run, {"config": step_config(output, run_id, **GEN, **dit), "shard": 0})
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +77,11 @@ def test_a_stage_that_fails_mid_step_restarts_the_ranks_with_half_the_batch(data
     budget (it failed every retry with the same batch before), and completes."""
     out = str(tmp_path)
     _shard(dataset, out, "oom")
-    common = dict(output=out, run_id="oom", shard=0, model="tiny", device="cpu", seed=0)
     monkeypatch.setenv("ARDIT_RANK_TIMEOUT_S", "90")  # a hang would end as a collective timeout, not hold CI
     capfd.readouterr()
     run_step(oom_targets.ar_out_of_memory_in_a_forward_once,
-             {**common, **AR, **PP2, "marker": str(tmp_path / "oom-fired")}, restart_from=kept_budget)
+             {"config": step_config(out, "oom", **AR, **PP2), "shard": 0, "marker": str(tmp_path / "oom-fired")},
+             restart_from=kept_budget)
     err = capfd.readouterr().err
     assert "rank 0 of 2 failed: torch.OutOfMemoryError: CUDA out of memory (injected on stage 0); starting the " \
            "ranks again with at most 1 AR row(s) in flight (restart 1 of at most 6)" in err, err
@@ -90,7 +90,7 @@ def test_a_stage_that_fails_mid_step_restarts_the_ranks_with_half_the_batch(data
     assert budget["max_rows"] == 1 and budget["pipeline_parallel_size"] == 2, budget  # 2 rows were in flight
     record = layout.read_json(layout.step_timing_key(0, "ar"))
     assert record["budget_from_run"]["max_rows"] == 1 and record["scheduler"]["pool_rows"] == 1, record
-    run_step(dit_run, {**common, **GEN, **PP2})
+    run_step(dit_run, {"config": step_config(out, "oom", **GEN, **PP2), "shard": 0})
     rows = _rows(out, "oom")
     assert sorted(rows) == sorted(_rows(baseline, "tp1")) and all(r["status"] == "ok" for r in rows.values())
 
@@ -100,12 +100,11 @@ def test_an_oom_at_one_row_in_flight_fails_the_step_without_a_restart(dataset, t
     the step fails at once (no restart that would run into the same OOM)."""
     out = str(tmp_path)
     _shard(dataset, out, "oom1")
-    common = dict(output=out, run_id="oom1", shard=0, model="tiny", device="cpu", seed=0)
     monkeypatch.setenv("ARDIT_RANK_TIMEOUT_S", "90")
     capfd.readouterr()
     with pytest.raises(RankFailed, match=r"rank 0 of 2 failed: torch.OutOfMemoryError: CUDA out of memory \(injected"):
-        run_step(parallel_targets.ar_out_of_memory_on_stage0, {**common, **AR, **PP2, "batch_size": 1},
-                 restart_from=kept_budget)
+        run_step(parallel_targets.ar_out_of_memory_on_stage0,
+                 {"config": step_config(out, "oom1", **AR, **PP2, batch_size=1), "shard": 0}, restart_from=kept_budget)
     assert "starting the ranks again" not in capfd.readouterr().err
     layout = RunLayout.open(out, "oom1")
     assert layout.read_json(layout.settings_key("ar_budget")) is None
@@ -115,26 +114,24 @@ def test_an_oom_at_one_row_in_flight_fails_the_step_without_a_restart(dataset, t
 def test_a_killed_stage_fails_the_step_and_a_rerun_resumes(dataset, baseline, tmp_path):
     out = str(tmp_path)
     _shard(dataset, out, "kill")
-    common = dict(output=out, run_id="kill", shard=0, model="tiny", device="cpu", seed=0)
-    run_step(ar_run, {**common, **AR, **PP2})
+    ar, dit = ({"config": step_config(out, "kill", **gen, **PP2), "shard": 0} for gen in (AR, GEN))
+    run_step(ar_run, ar)
     with pytest.raises(RankFailed, match=r"rank 1 of 2 failed: exited with code -9 \(killed or crashed\)"):
-        run_step(parallel_targets.dit_killing_stage1, {**common, **GEN, **PP2})
+        run_step(parallel_targets.dit_killing_stage1, dit)
     layout = RunLayout.open(out, "kill")
     assert not layout.is_committed(0)
-    run_step(dit_run, {**common, **GEN, **PP2})
+    run_step(dit_run, dit)
     assert layout.is_committed(0)
     rows = _rows(out, "kill")
     assert sorted(rows) == sorted(_rows(baseline, "tp1")) and all(r["status"] == "ok" for r in rows.values())
 
 
 def test_pipeline_options_are_checked_before_any_work(tmp_path):
-    common = dict(output=str(tmp_path), run_id="x", shard=0, model="tiny", device="cpu")
+    config = step_config(tmp_path, "x")
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 3: the model has 2 decoder layers"):
-        run_step(dit_run, {**common, "pipeline_parallel_size": 3})
+        run_step(dit_run, {"config": config.replace(pipeline_parallel_size=3), "shard": 0})
     with pytest.raises(ConfigError, match="--step-cache 0.1: does not combine with --pipeline-parallel-size"):
-        from components.dit.run import run
-
-        run(**common, step_cache=0.1, pipeline_parallel_size=2)
+        dit_run(config.replace(step_cache=0.1, pipeline_parallel_size=2), 0)
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 """python -m components.ar --output URI --run-id ID --shard K [--model tiny] [--kv-store URL] ...
+   python -m components.ar --config FILE_OR_JSON --shard K
 
+The flags (or --config: a JobConfig's to_dict() JSON) make the step's JobConfig.
 Generation settings left out (or passed empty) come from the model's generation config.
 Exit codes: 0 ok, 2 configuration error (one line on stderr), 130 interrupted."""
 
@@ -13,11 +15,11 @@ from components.runtime.dispatch import run_step
 from components.step_program import (
     StepArgumentParser,
     add_engine_args,
-    engine_kwargs,
     optional_bool,
     optional_float,
     optional_int,
     optional_str,
+    step_config,
     step_main,
 )
 
@@ -51,11 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         from components.ar.run import run as ar_run
         from components.progress import make_progress
 
-        kwargs = dict(output=args.output, run_id=args.run_id, shard=args.shard, batch_size=args.batch_size,
-                      bot_task=args.bot_task, system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
-                      batch_invariant=args.batch_invariant, gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
+        kwargs = {"config": step_config(p, args, argv), "shard": args.shard}
         with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
             result = run_step(ar_run, kwargs, progress, restart_from=kept_budget)
         print(json.dumps(result))

@@ -54,18 +54,19 @@ class KeptBudget:
 
 
 def kept_budget(step_kwargs: dict[str, Any]) -> KeptBudget | None:
-    """The AR step's `restart_from` for components.runtime.dispatch.run_step: the budget the run
-    keeps for the step's layout, or None (none, or not a step of a run). Ranks that ran out of
+    """The AR step's `restart_from` for components.runtime.dispatch.run_step: the budget the run of
+    the step's `config` keeps for its layout, or None (none, or no config). Ranks that ran out of
     memory inside a forward fail with a smaller one kept: run_step starts them again from it."""
-    if "output" not in step_kwargs or "run_id" not in step_kwargs:
+    config = step_kwargs.get("config")
+    if config is None:
         return None
     try:
-        saved = read_budget(RunLayout.open(step_kwargs["output"], step_kwargs["run_id"]),
-                            int(step_kwargs.get("tensor_parallel_size") or 1),
-                            int(step_kwargs.get("pipeline_parallel_size") or 1), step_kwargs.get("device", "cpu"))
+        saved = read_budget(RunLayout.open(config.output, config.run_id), config.tensor_parallel_size,
+                            config.pipeline_parallel_size, config.device)
     except Exception:  # noqa: BLE001 - no budget to go by: the failure stands as it is
         return None
     return None if saved is None else KeptBudget(saved.get("max_rows"), saved.get("kv_budget_bytes"))
+
 
 def apply_budget(admission: Any, saved: dict[str, Any] | None, parallel: Any = None) -> dict[str, Any] | None:
     """Lower `admission` (an ar_scheduler.Admission) to the saved budget; every rank agrees on the

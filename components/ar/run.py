@@ -38,6 +38,7 @@ from components.ar.budget import apply_budget, read_budget, remember_budget
 from components.data.ar_outputs import read_ar_rows, write_ar_rows
 from components.data.runs import RunLayout
 from components.generation import AR_SETTINGS, resolve_generation
+from components.jobconfig import JobConfig
 from components.kvstore.base import delete_quietly
 from components.kvstore.memory import MemoryStore
 from components.options import check_bench_cot, check_engine_options
@@ -45,46 +46,39 @@ from components.run_kv import default_kv_store, expire_other_runs_kv, kv_key, op
 from components.step_lifecycle import begin_step
 
 
-def ar_settings(model: str, weights: str | None, dummy_weights: bool, dtype: str | None, quantization: str | None,
-                seed: int, generation: dict[str, Any], batch_invariant: bool = False) -> dict[str, Any]:
+def ar_settings(config: JobConfig, generation: dict[str, Any]) -> dict[str, Any]:
     """What the AR step computes with (a run remembers it; device and TP size are not part).
-    batch_invariant: every row computed as its own batch (bitwise independent of batch and shard)."""
-    return {"model": model, "weights": weights, "dummy_weights": dummy_weights, "dtype": dtype,
-            "quantization": quantization, "seed": seed, **{k: generation[k] for k in AR_SETTINGS},
-            "batch_invariant": batch_invariant}
+    `generation`: the resolved generation settings. batch_invariant: every row computed as its own
+    batch (bitwise independent of batch and shard)."""
+    return {"model": config.model, "weights": config.weights, "dummy_weights": config.dummy_weights,
+            "dtype": config.dtype, "quantization": config.quantization, "seed": config.seed,
+            **{k: generation[k] for k in AR_SETTINGS}, "batch_invariant": config.batch_invariant}
 
 
-def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: str | None = None,
-        dummy_weights: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
-        kv_store: str | None = None, batch_size: int | str = "auto", bot_task: str | None = None,
-        system_prompt: str | None = None, max_new_tokens: int | None = None, temperature: float | None = None,
-        top_k: int | None = None, top_p: float | None = None, greedy: bool = False, seed: int = 0,
-        device: str = "cpu", dtype: str | None = None, export_kv: bool = True, batch_invariant: bool = False,
-        gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
-        progress: Any = None, parallel: Any = None, pipeline_parallel_size: int = 1,
+def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = None,
         handoff: Any = None) -> dict[str, Any]:
-    """Run the AR step of one shard. Generation settings left None come from the model's
-    generation config. Raises ConfigError (before any work) for a bad option or settings that
-    differ from those the run started with. `parallel`: this rank's ParallelContext under the
-    tensor-parallel launcher (components.runtime.ranks), None in one process. `batch_invariant`: each row
-    runs as its own batch, so its CoT and K/V do not depend on the other rows of its batch or shard
-    (Admission.batch_invariant: this step only). `batch_size`: "auto" (rows in
-    flight sized to `gpu_memory_utilization` of the GPU) or a hard cap; `max_num_batched_tokens`:
-    the prefill chunk (engine/ar_scheduler.py). `handoff` (an overlapped job: a
+    """Run the AR step of shard `shard` of `config`'s run (a JobConfig: its model, generation and AR
+    scheduling fields; `kv_reuse`: the rows' K/V is stored for the DiT step, in `kv_store`, None: the
+    embedded store beside the outputs). Generation settings left None come from the model's
+    generation config. Raises ConfigError (before any work) for a bad option or settings that differ
+    from those the run started with. `parallel`: this rank's ParallelContext under the
+    tensor-parallel launcher (components.runtime.ranks), None in one process. `batch_invariant`:
+    each row runs as its own batch, so its CoT and K/V do not depend on the other rows of its batch
+    or shard (Admission.batch_invariant: this step only). `batch_size`: "auto" (rows in flight
+    sized to `gpu_memory_utilization` of the GPU) or a hard cap; `max_num_batched_tokens`: the
+    prefill chunk (engine/ar_scheduler.py). `handoff` (an overlapped job: a
     components.runtime.handoff.Handoff): every row also goes to the shard's DiT step as soon as it
     is finished (with its K/V stored), and the scheduler admits rows only as the DiT keeps up."""
     from components.engine import SamplingParams, kernels
 
-    check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, batch_size=batch_size, device=device,
-                         pipeline_parallel_size=pipeline_parallel_size,
-                         gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens)
-    forced_cot = check_bench_cot(model, weights, dummy_weights)
-    gen = resolve_generation(model, greedy=greedy, bot_task=bot_task, system_prompt=system_prompt,
-                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    step = begin_step("ar", f"AR  shard {shard}", output, run_id, shard,
-                      ar_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, batch_invariant),
-                      parallel, progress)
+    c = config
+    check_engine_options(dtype=c.dtype, quantization=c.quantization, tensor_parallel_size=c.tensor_parallel_size,
+                         seed=c.seed, batch_size=c.batch_size, device=c.device,
+                         pipeline_parallel_size=c.pipeline_parallel_size,
+                         gpu_memory_utilization=c.gpu_memory_utilization, max_num_batched_tokens=c.max_num_batched_tokens)
+    forced_cot = check_bench_cot(c.model, c.weights, c.dummy_weights)
+    gen = resolve_generation(c.model, greedy=c.greedy, **{k: getattr(c, k) for k in AR_SETTINGS})
+    step = begin_step("ar", f"AR  shard {shard}", c, shard, ar_settings(c, gen), parallel, progress)
     pending, skipped = _pending_rows(step.layout, shard)
     if skipped:
         if handoff is not None:  # the DiT takes every row it denoises from the handoff
@@ -93,23 +87,21 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
                 handoff.put(kept[job.id])
         return step.skip(skipped)
 
-    engine = step.load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size,
-                              quantization, pipeline_parallel_size)
-    store = open_kv_store(kv_store or default_kv_store(output, run_id)) if export_kv else None
+    engine = step.load_engine(c)
+    store = open_kv_store(c.kv_store or default_kv_store(c.output, c.run_id)) if c.kv_reuse else None
     sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
                               max_new_tokens=gen["max_new_tokens"])
     task = step.progress.add_task(step.label, len(pending))
     puts = _BackgroundPuts(store, engine)
-    puts.expire_orphans(other_runs=(output, run_id) if kv_store is None and step.owner else None)
+    puts.expire_orphans(other_runs=(c.output, c.run_id) if c.kv_store is None and step.owner else None)
     fallbacks_before = kernels.fallbacks()
-    results = _Results(run_id, shard, store, puts, step.progress, task, handoff)
-    budget = _Budget(step.layout, shard, tensor_parallel_size, pipeline_parallel_size, device)
+    results = _Results(c.run_id, shard, store, puts, step.progress, task, handoff)
+    budget = _Budget(step.layout, shard, c.tensor_parallel_size, c.pipeline_parallel_size, c.device)
     try:
-        requests = _requests(pending, gen, seed, results)
-        admission = _admission(engine, batch_size, gpu_memory_utilization, max_num_batched_tokens, batch_invariant,
-                               handoff)
+        requests = _requests(pending, gen, c.seed, results)
+        admission = _admission(engine, c, handoff)
         from_run = budget.start(admission, parallel)  # after an OOM in an earlier step: the budget that worked
-        stats = _stream(engine, requests, results, sampling, export_kv, admission, budget, step.owner, forced_cot)
+        stats = _stream(engine, requests, results, sampling, c.kv_reuse, admission, budget, step.owner, forced_cot)
         puts.wait()
         rows = results.in_order(pending)
         usage = step.usage()  # every rank: the worst's
@@ -128,7 +120,7 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     step.persist_compiles()
     step.progress.finish(task)
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
-            "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": batch_invariant,
+            "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": c.batch_invariant,
             "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
             "ar_scheduler": {k: stats[k] for k in SCHEDULER_RECORD}}
 
@@ -144,17 +136,17 @@ def _pending_rows(layout: RunLayout, shard: int) -> tuple[list[Any], str | None]
     return pending, None
 
 
-def _admission(engine: Any, batch_size: int | str, gpu_memory_utilization: float,
-               max_num_batched_tokens: int | None, batch_invariant: bool, handoff: Any) -> Any:
+def _admission(engine: Any, config: JobConfig, handoff: Any) -> Any:
     """How many rows the scheduler keeps in flight (engine/ar_scheduler.py Admission): sized to the
-    GPU; with a handoff, also leaving the DiT beside it its memory, at most its lead ahead of it
-    and admitted through its gate."""
+    GPU (`config`'s batch_size, gpu_memory_utilization, max_num_batched_tokens, batch_invariant);
+    with a handoff, also leaving the DiT beside it its memory, at most its lead ahead of it and
+    admitted through its gate."""
     from components.engine.ar_scheduler import Admission
 
     reserve = handoff.reserve_bytes if handoff is not None else 0
-    admission = Admission.for_model(engine.model, batch_size, gpu_memory_utilization, max_num_batched_tokens,
-                                    reserve_bytes=reserve)
-    admission.batch_invariant = batch_invariant
+    admission = Admission.for_model(engine.model, config.batch_size, config.gpu_memory_utilization,
+                                    config.max_num_batched_tokens, reserve_bytes=reserve)
+    admission.batch_invariant = config.batch_invariant
     if handoff is not None:
         admission.gate = handoff.admit
         admission.at_most(handoff.lead_rows, None)

@@ -1,5 +1,7 @@
 """python -m components.dit --output URI --run-id ID --shard K [--model tiny] [--kv-store URL] [--steps N --guidance G]
+   python -m components.dit --config FILE_OR_JSON --shard K [--no-prefetch] [--cfg-parallel]
 
+The flags (or --config: a JobConfig's to_dict() JSON) make the step's JobConfig.
 Generation settings left out (or passed empty) come from the model's generation config.
 Exit codes: 0 ok, 2 configuration error (one line on stderr), 130 interrupted."""
 
@@ -12,9 +14,9 @@ from components.runtime.dispatch import run_step
 from components.step_program import (
     StepArgumentParser,
     add_engine_args,
-    engine_kwargs,
     optional_float,
     optional_int,
+    step_config,
     step_main,
 )
 
@@ -41,10 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         from components.dit.run import run as dit_run
         from components.progress import make_progress
 
-        kwargs = dict(output=args.output, run_id=args.run_id, shard=args.shard, steps=args.steps,
-                      guidance=args.guidance, flow_shift=args.flow_shift, kv_reuse=not args.no_kv_reuse,
-                      save_latents=args.save_latents, prefetch=not args.no_prefetch,
-                      step_cache=args.step_cache or 0.0, **engine_kwargs(args))
+        kwargs = {"config": step_config(p, args, argv), "shard": args.shard, "prefetch": not args.no_prefetch}
         with make_progress("auto") as progress:  # with --tensor-parallel-size N: N ranks, rank 0 writes
             result = run_step(dit_run, kwargs, progress, cfg_parallel=args.cfg_parallel)
         print(json.dumps(result, default=str))

@@ -31,41 +31,39 @@ from typing import Any
 from components.data.ar_outputs import read_ar_rows
 from components.data.runs import RunLayout, ShardWriter, row_key
 from components.generation import DIT_SETTINGS, resolve_generation
+from components.jobconfig import JobConfig
 from components.kvstore.base import delete_quietly
 from components.options import check_engine_options
 from components.run_kv import default_kv_store, expire_other_runs_kv, kv_key, open_kv_store
 from components.step_lifecycle import begin_step
 
 
-def dit_settings(model: str, weights: str | None, dummy_weights: bool, dtype: str | None, quantization: str | None,
-                 seed: int, generation: dict[str, Any], step_cache: float = 0.0) -> dict[str, Any]:
+def dit_settings(config: JobConfig, generation: dict[str, Any]) -> dict[str, Any]:
     """What the DiT step computes with (a run remembers it; device, TP size and KV reuse,
-    which must not change the image, are not part)."""
-    return {"model": model, "weights": weights, "dummy_weights": dummy_weights, "dtype": dtype,
-            "quantization": quantization, "seed": seed, **{k: generation[k] for k in DIT_SETTINGS},
-            "step_cache": step_cache}
+    which must not change the image, are not part). `generation`: the resolved generation settings."""
+    return {"model": config.model, "weights": config.weights, "dummy_weights": config.dummy_weights,
+            "dtype": config.dtype, "quantization": config.quantization, "seed": config.seed,
+            **{k: generation[k] for k in DIT_SETTINGS}, "step_cache": config.step_cache}
 
 
-def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: str | None = None,
-        dummy_weights: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
-        kv_store: str | None = None, steps: int | None = None, guidance: float | None = None,
-        flow_shift: float | None = None, seed: int = 0, kv_reuse: bool = True, save_latents: bool = False,
-        device: str = "cpu", dtype: str | None = None, progress: Any = None, prefetch: bool = True,
-        step_cache: float = 0.0, parallel: Any = None,
-        pipeline_parallel_size: int = 1, handoff: Any = None) -> dict[str, Any]:
-    """Run the DiT step of one shard. Generation settings left None come from the model's
-    generation config. Raises ConfigError (before any work) for a bad option or settings that
-    differ from those the run started with. `parallel`: this rank's ParallelContext under the
+def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = None, handoff: Any = None,
+        prefetch: bool = True) -> dict[str, Any]:
+    """Run the DiT step of shard `shard` of `config`'s run (a JobConfig: its model, generation
+    (steps, guidance, flow_shift), step_cache, kv_reuse, save_latents and kv_store fields; kv_store
+    None: the embedded store beside the outputs). Generation settings left None come from the
+    model's generation config. Raises ConfigError (before any work) for a bad option or settings
+    that differ from those the run started with. `parallel`: this rank's ParallelContext under the
     tensor-parallel launcher (components.runtime.ranks), None in one process. `handoff` (an
     overlapped job: a components.runtime.handoff.Handoff): the rows come from the shard's AR step
-    as it finishes them, in that order, instead of from its ar.parquet."""
-    check_engine_options(dtype=dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                         seed=seed, device=device, step_cache=step_cache,
-                         pipeline_parallel_size=pipeline_parallel_size)
-    gen = resolve_generation(model, steps=steps, guidance=guidance, flow_shift=flow_shift)
-    step = begin_step("dit", f"DiT shard {shard}", output, run_id, shard,
-                      dit_settings(model, weights, dummy_weights, dtype, quantization, seed, gen, step_cache),
-                      parallel, progress)
+    as it finishes them, in that order, instead of from its ar.parquet. `prefetch` (the step
+    program's --no-prefetch turns it off; it never changes an image): the next rows' K/V is
+    fetched while a row denoises."""
+    c = config
+    check_engine_options(dtype=c.dtype, quantization=c.quantization, tensor_parallel_size=c.tensor_parallel_size,
+                         seed=c.seed, device=c.device, step_cache=c.step_cache,
+                         pipeline_parallel_size=c.pipeline_parallel_size)
+    gen = resolve_generation(c.model, **{k: getattr(c, k) for k in DIT_SETTINGS})
+    step = begin_step("dit", f"DiT shard {shard}", c, shard, dit_settings(c, gen), parallel, progress)
     if step.layout.is_committed(shard):
         return step.skip("committed")
     if step.owner:  # a killed earlier attempt's half-written images and records (a temp file each)
@@ -73,18 +71,17 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
     writer = step.layout.shard_writer(shard)
     pending = writer.pending()
     ar_rows = read_ar_rows(step.layout, shard) if handoff is None else {}
-    engine = step.load_engine(model, weights, device, dtype, seed, dummy_weights, tensor_parallel_size,
-                              quantization, pipeline_parallel_size)
-    store = open_kv_store(kv_store or default_kv_store(output, run_id))
-    kv_io = _KVReader(store, engine, kv_reuse, deletes=step.owner,
-                      other_runs=(output, run_id) if kv_store is None else None)
-    out_io = _RowWriter(writer, step.layout, shard, save_latents, kv_io, enabled=step.owner)
+    engine = step.load_engine(c)
+    store = open_kv_store(c.kv_store or default_kv_store(c.output, c.run_id))
+    kv_io = _KVReader(store, engine, c.kv_reuse, deletes=step.owner,
+                      other_runs=(c.output, c.run_id) if c.kv_store is None else None)
+    out_io = _RowWriter(writer, step.layout, shard, c.save_latents, kv_io, enabled=step.owner)
     task = step.progress.add_task(step.label, len(pending))
     from components.engine import kernels
 
     fallbacks_before = kernels.fallbacks()
     try:
-        settings = dict(run_id=run_id, shard=shard, gen=gen, seed=seed, step_cache=step_cache)
+        settings = dict(run_id=c.run_id, shard=shard, gen=gen, seed=c.seed, step_cache=c.step_cache)
         if handoff is None:
             transient = _denoise_pending(engine, pending, ar_rows, kv_io, out_io, step.progress, task,
                                          prefetch=prefetch, **settings)
@@ -99,13 +96,13 @@ def run(output: str, run_id: str, shard: int, *, model: str = "tiny", weights: s
         t_rows_done = time.perf_counter()  # the step's work after its last row: said when it is long
         marker = writer.commit() if step.owner else {}
         t_committed = time.perf_counter()
-        kv_io.forget(f"{run_id}/{shard}", prefix=True)
+        kv_io.forget(f"{c.run_id}/{shard}", prefix=True)
     finally:
         out_io.close()  # a row being written is finished (it is atomic either way), then stop
         kv_io.close()  # closes the store too, within its timeout
     t_closed = time.perf_counter()
-    if kv_store is None:
-        _remove_if_empty(default_kv_store(output, run_id))
+    if c.kv_store is None:
+        _remove_if_empty(default_kv_store(c.output, c.run_id))
     step.persist_compiles()
     if step.owner:
         _say_long_tail(shard, t_rows_done, t_committed, t_closed, time.perf_counter())

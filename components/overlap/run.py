@@ -38,54 +38,46 @@ from components.ar.run import run as ar_run
 from components.data.runs import RunLayout
 from components.dit.run import run as dit_run
 from components.errors import ConfigError
-from components.models import load_engine
+from components.jobconfig import JobConfig
 from components.runtime.handoff import Cancelled, Handoff
-
-# what engine keywords both steps take (the rest of `ar` / `dit` is each step's own)
-ENGINE_KEYS = ("model", "weights", "dummy_weights", "tensor_parallel_size", "quantization", "kv_store", "device",
-               "dtype", "seed", "pipeline_parallel_size")
+from components.step_lifecycle import job_engine
 
 
-def run(output: str, run_id: str, shard: int, *, ar: dict[str, Any], dit: dict[str, Any], progress: Any = None,
-        parallel: Any = None, handoff: Handoff | None = None, then: tuple[int, ...] | list[int] = (),
-        **engine: Any) -> dict[str, Any]:
+def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = None, handoff: Handoff | None = None,
+        then: tuple[int, ...] | list[int] = ()) -> dict[str, Any]:
     """Run shard `shard`'s AR and DiT steps overlapped, then those of each shard of `then` (the AR
-    of the next shard starting as soon as the AR of the one before ends). `ar` / `dit`: each step's
-    own keywords; `engine`: the keywords both take (ENGINE_KEYS). Returns the first shard's steps'
-    results and the handoff's figures (`then`: each later shard's under "then").
-    `handoff`: the first shard's rows' way from the AR to the DiT (default: Handoff())."""
+    of the next shard starting as soon as the AR of the one before ends); both steps read `config`
+    (components/ar/run.py, components/dit/run.py). Returns the first shard's steps' results and the
+    handoff's figures (`then`: each later shard's under "then"). `handoff`: the first shard's rows'
+    way from the AR to the DiT (default: Handoff())."""
     from components.progress import NoProgress, SharedProgress
 
     if parallel is not None and (parallel.world_size > 1 or parallel.pp_size > 1):
         raise ConfigError("overlapped AR and DiT steps run in one process (tp x pp = 1): use --overlap off with "
                           "--tp or --pp above 1")
     shards = [shard, *then]
-    common = {"output": output, "run_id": run_id, "parallel": parallel, **engine}
     progress = SharedProgress(progress or NoProgress())  # both threads report to it
     t_load = time.perf_counter()
-    loaded = load_engine(engine["model"], engine.get("weights"), engine["device"], engine.get("dtype"),
-                         engine.get("seed", 0), engine.get("dummy_weights", False),
-                         engine.get("tensor_parallel_size", 1), engine.get("quantization"), parallel,
-                         engine.get("pipeline_parallel_size", 1))
+    loaded = job_engine(config, parallel)
     load_s = time.perf_counter() - t_load
     handoffs = {shard: handoff or Handoff(), **{s: Handoff() for s in then}}
     reserve = dit_reserve_bytes(loaded.model)
     for h in handoffs.values():
         h.reserve_bytes = reserve
-    side = _ARThread(common | ar, shards, handoffs, progress, loaded.model.device)
+    side = _ARThread(config, parallel, shards, handoffs, progress, loaded.model.device)
     side.start()
-    layout = RunLayout.open(output, run_id)
+    layout = RunLayout.open(config.output, config.run_id)
     done = []  # (shard, its DiT result, its overlap record)
     for i, s in enumerate(shards):
         t0 = time.perf_counter()
         try:
-            dit_result = dit_run(**common, shard=s, **dit, handoff=handoffs[s], progress=progress)
+            dit_result = dit_run(config, s, parallel=parallel, handoff=handoffs[s], progress=progress)
         except BaseException:
             for h in handoffs.values():
                 h.cancel()  # the AR stops at its next admission (or its next finished row)
             side.join(timeout=60.0)
             for rest in shards[i:]:
-                _forget_shard_kv(engine.get("kv_store"), run_id, rest)
+                _forget_shard_kv(config.kv_store, config.run_id, rest)
             raise
         record = {"load_s": round(load_s if i == 0 else 0.0, 3), "wall_s": round(time.perf_counter() - t0, 3),
                   "handoff": handoffs[s].stats()}
@@ -113,10 +105,11 @@ class _ARThread(threading.Thread):
     stream), telling each shard's handoff when its AR ends. After a failure the later shards' ARs
     do not run: their handoffs end with the same error."""
 
-    def __init__(self, kwargs: dict[str, Any], shards: list[int], handoffs: dict[int, Handoff], progress: Any,
-                 device: Any):
+    def __init__(self, config: JobConfig, parallel: Any, shards: list[int], handoffs: dict[int, Handoff],
+                 progress: Any, device: Any):
         super().__init__(name=f"ar-shard-{shards[0]}", daemon=True)
-        self.kwargs, self.shards, self.handoffs, self.progress, self.device = kwargs, shards, handoffs, progress, device
+        self.config, self.parallel, self.shards, self.handoffs = config, parallel, shards, handoffs
+        self.progress, self.device = progress, device
         self.results: dict[int, dict[str, Any]] = {}
         self.error: BaseException | None = None
 
@@ -134,7 +127,8 @@ class _ARThread(threading.Thread):
                     handoff.finish(self.error)
                     continue
                 try:
-                    self.results[shard] = ar_run(**self.kwargs, shard=shard, handoff=handoff, progress=self.progress)
+                    self.results[shard] = ar_run(self.config, shard, parallel=self.parallel, handoff=handoff,
+                                                 progress=self.progress)
                 except BaseException as e:  # noqa: BLE001 - handed to the DiT side, which raises it
                     self.error = e
                     if not isinstance(e, Cancelled):

@@ -9,12 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 from components.errors import ConfigError
+from components.jobconfig import JobConfig
 from components.runtime.layout import check_pipeline_stages, check_tensor_parallel
 
 
 # A step function: `components.ar.run.run`, `components.dit.run.run` (or a test's). It takes the
-# step's keywords, `progress` and `parallel`; rank processes get it by reference, so it is a
-# module-level function.
+# step's keywords (`config`, a JobConfig, and `shard`; the step's own, such as `then`), `progress`
+# and `parallel`; rank processes get it by reference, so it is a module-level function.
 Step = Callable[..., Any]
 # What a step would start from, given its keywords (None: nothing to go by), e.g.
 # components.ar.budget.kept_budget. run_step reads it before the ranks run and after they failed:
@@ -24,19 +25,20 @@ RestartFrom = Callable[[dict[str, Any]], Any]
 
 def run_step(step: Step, kwargs: dict[str, Any], progress: Any = None, cfg_parallel: bool = False,
              pool: Any = None, restart_from: RestartFrom | None = None) -> Any:
-    """Call `step(**kwargs)` in this process, or, with tensor_parallel_size N and
-    pipeline_parallel_size P, N * P > 1 (or a CFG-parallel DiT), on N * P rank processes: every
-    rank computes, rank 0 reads and writes. `pool`: a components.runtime.ranks.RankPool that outlives this
-    step (a job's shards then share the ranks' engines; a data-parallel replica is one, even of one
-    rank); without one the ranks start and stop with the step. Returns rank 0's result. Ranks that
-    failed and changed what `restart_from` reads (an AR OOM inside a forward halves the budget kept
-    in the run) start again (the pool's too) and run the step from it, at most MAX_RESTARTS times."""
-    world = int(kwargs.get("tensor_parallel_size") or 1)
-    stages = int(kwargs.get("pipeline_parallel_size") or 1)
+    """Call `step(**kwargs)` in this process, or, with the tensor_parallel_size N and
+    pipeline_parallel_size P of `kwargs["config"]` (a JobConfig), N * P > 1 (or a CFG-parallel
+    DiT), on N * P rank processes: every rank computes, rank 0 reads and writes. `pool`: a
+    components.runtime.ranks.RankPool that outlives this step (a job's shards then share the
+    ranks' engines; a data-parallel replica is one, even of one rank); without one the ranks start
+    and stop with the step. Returns rank 0's result. Ranks that failed and changed what
+    `restart_from` reads (an AR OOM inside a forward halves the budget kept in the run) start again
+    (the pool's too) and run the step from it, at most MAX_RESTARTS times."""
+    config: JobConfig = kwargs["config"]
+    world, stages = config.tensor_parallel_size, config.pipeline_parallel_size
     if stages > 1:
-        check_pipeline_stages(kwargs.get("model", "tiny"), stages)
+        check_pipeline_stages(config.model, stages)
     if not cfg_parallel:  # CFG-parallel ranks form two groups of world / 2
-        check_tensor_parallel(kwargs.get("model", "tiny"), world)
+        check_tensor_parallel(config.model, world)
     global running_step
     running_step = kwargs  # what an interrupted step program says was committed (step_main)
     if pool is None and world == 1 and stages == 1 and not cfg_parallel:
@@ -49,7 +51,7 @@ def run_step(step: Step, kwargs: dict[str, Any], progress: Any = None, cfg_paral
         try:
             if pool is not None:
                 return pool.run(step, kwargs, progress)
-            return run_on_ranks(step, kwargs, world, kwargs.get("device", "cpu"), cfg_parallel=cfg_parallel,
+            return run_on_ranks(step, kwargs, world, config.device, cfg_parallel=cfg_parallel,
                                 pipeline_parallel_size=stages)
         except ValueError as exc:  # more ranks than GPUs, an odd CFG-parallel size
             raise ConfigError(str(exc)) from None

@@ -398,7 +398,7 @@ def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: flo
         while (task := tasks.get()) is not None:
             step, kwargs, reports = task
             extra = {"progress": _ForwardedProgress(results, rank)} if reports else {}
-            value = step(**{**kwargs, "device": str(dev)}, **extra, parallel=ctx)
+            value = step(**on_device(kwargs, str(dev)), **extra, parallel=ctx)
             results.put((rank, "ok", value if rank == 0 else None))
         if grouped:
             dist.destroy_process_group()
@@ -409,6 +409,17 @@ def _worker(tasks, rank: int, world: int, port: int, device: str, timeout_s: flo
         results.put((rank, "error", detail))
         sys.exit(1)
     _exit_now()
+
+
+def on_device(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
+    """A step's keywords on this rank's device (its GPU, not the job's "cuda"): a job step's device
+    is its JobConfig's (`config`), a plain function's the `device` keyword."""
+    from components.jobconfig import JobConfig
+
+    config = kwargs.get("config")
+    if isinstance(config, JobConfig):
+        return {**kwargs, "config": config.replace(device=device)}
+    return {**kwargs, "device": device}
 
 
 def _exit_now() -> None:
