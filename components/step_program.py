@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from components.devices import resolve_device
 from components.errors import ConfigError, config_error_exit

@@ -71,14 +71,15 @@ def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = 
     is finished (with its K/V stored), and the scheduler admits rows only as the DiT keeps up."""
     from components.engine import SamplingParams, kernels
 
-    c = config
-    check_engine_options(dtype=c.dtype, quantization=c.quantization, tensor_parallel_size=c.tensor_parallel_size,
-                         seed=c.seed, batch_size=c.batch_size, device=c.device,
-                         pipeline_parallel_size=c.pipeline_parallel_size,
-                         gpu_memory_utilization=c.gpu_memory_utilization, max_num_batched_tokens=c.max_num_batched_tokens)
-    forced_cot = check_bench_cot(c.model, c.weights, c.dummy_weights)
-    gen = resolve_generation(c.model, greedy=c.greedy, **{k: getattr(c, k) for k in AR_SETTINGS})
-    step = begin_step("ar", f"AR  shard {shard}", c, shard, ar_settings(c, gen), parallel, progress)
+    check_engine_options(dtype=config.dtype, quantization=config.quantization,
+                         tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
+                         batch_size=config.batch_size, device=config.device,
+                         pipeline_parallel_size=config.pipeline_parallel_size,
+                         gpu_memory_utilization=config.gpu_memory_utilization,
+                         max_num_batched_tokens=config.max_num_batched_tokens)
+    forced_cot = check_bench_cot(config.model, config.weights, config.dummy_weights)
+    gen = resolve_generation(config.model, greedy=config.greedy, **{k: getattr(config, k) for k in AR_SETTINGS})
+    step = begin_step("ar", f"AR  shard {shard}", config, shard, ar_settings(config, gen), parallel, progress)
     pending, skipped = _pending_rows(step.layout, shard)
     if skipped:
         if handoff is not None:  # the DiT takes every row it denoises from the handoff
@@ -87,21 +88,22 @@ def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = 
                 handoff.put(kept[job.id])
         return step.skip(skipped)
 
-    engine = step.load_engine(c)
-    store = open_kv_store(c.kv_store or default_kv_store(c.output, c.run_id)) if c.kv_reuse else None
+    engine = step.load_engine(config)
+    store = (open_kv_store(config.kv_store or default_kv_store(config.output, config.run_id)) if config.kv_reuse
+             else None)
     sampling = SamplingParams(temperature=gen["temperature"], top_k=gen["top_k"], top_p=gen["top_p"],
                               max_new_tokens=gen["max_new_tokens"])
     task = step.progress.add_task(step.label, len(pending))
     puts = _BackgroundPuts(store, engine)
-    puts.expire_orphans(other_runs=(c.output, c.run_id) if c.kv_store is None and step.owner else None)
+    puts.expire_orphans(other_runs=(config.output, config.run_id) if config.kv_store is None and step.owner else None)
     fallbacks_before = kernels.fallbacks()
-    results = _Results(c.run_id, shard, store, puts, step.progress, task, handoff)
-    budget = _Budget(step.layout, shard, c.tensor_parallel_size, c.pipeline_parallel_size, c.device)
+    results = _Results(config.run_id, shard, store, puts, step.progress, task, handoff)
+    budget = _Budget(step.layout, shard, config.tensor_parallel_size, config.pipeline_parallel_size, config.device)
     try:
-        requests = _requests(pending, gen, c.seed, results)
-        admission = _admission(engine, c, handoff)
+        requests = _requests(pending, gen, config.seed, results)
+        admission = _admission(engine, config, handoff)
         from_run = budget.start(admission, parallel)  # after an OOM in an earlier step: the budget that worked
-        stats = _stream(engine, requests, results, sampling, c.kv_reuse, admission, budget, step.owner, forced_cot)
+        stats = _stream(engine, requests, results, sampling, config.kv_reuse, admission, budget, step.owner, forced_cot)
         puts.wait()
         rows = results.in_order(pending)
         usage = step.usage()  # every rank: the worst's
@@ -120,7 +122,7 @@ def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = 
     step.persist_compiles()
     step.progress.finish(task)
     return {"shard": shard, "rows": len(rows), "errors": sum(r["status"] != "ok" for r in rows),
-            "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": c.batch_invariant,
+            "kv_put_wait_s": round(puts.waited_s, 4), "batch_invariant": config.batch_invariant,
             "kernel_fallbacks": kernels.fallbacks() - fallbacks_before,
             "ar_scheduler": {k: stats[k] for k in SCHEDULER_RECORD}}
 

@@ -58,12 +58,11 @@ def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = 
     as it finishes them, in that order, instead of from its ar.parquet. `prefetch` (the step
     program's --no-prefetch turns it off; it never changes an image): the next rows' K/V is
     fetched while a row denoises."""
-    c = config
-    check_engine_options(dtype=c.dtype, quantization=c.quantization, tensor_parallel_size=c.tensor_parallel_size,
-                         seed=c.seed, device=c.device, step_cache=c.step_cache,
-                         pipeline_parallel_size=c.pipeline_parallel_size)
-    gen = resolve_generation(c.model, **{k: getattr(c, k) for k in DIT_SETTINGS})
-    step = begin_step("dit", f"DiT shard {shard}", c, shard, dit_settings(c, gen), parallel, progress)
+    check_engine_options(dtype=config.dtype, quantization=config.quantization,
+                         tensor_parallel_size=config.tensor_parallel_size, seed=config.seed, device=config.device,
+                         step_cache=config.step_cache, pipeline_parallel_size=config.pipeline_parallel_size)
+    gen = resolve_generation(config.model, **{k: getattr(config, k) for k in DIT_SETTINGS})
+    step = begin_step("dit", f"DiT shard {shard}", config, shard, dit_settings(config, gen), parallel, progress)
     if step.layout.is_committed(shard):
         return step.skip("committed")
     if step.owner:  # a killed earlier attempt's half-written images and records (a temp file each)
@@ -71,17 +70,17 @@ def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = 
     writer = step.layout.shard_writer(shard)
     pending = writer.pending()
     ar_rows = read_ar_rows(step.layout, shard) if handoff is None else {}
-    engine = step.load_engine(c)
-    store = open_kv_store(c.kv_store or default_kv_store(c.output, c.run_id))
-    kv_io = _KVReader(store, engine, c.kv_reuse, deletes=step.owner,
-                      other_runs=(c.output, c.run_id) if c.kv_store is None else None)
-    out_io = _RowWriter(writer, step.layout, shard, c.save_latents, kv_io, enabled=step.owner)
+    engine = step.load_engine(config)
+    store = open_kv_store(config.kv_store or default_kv_store(config.output, config.run_id))
+    kv_io = _KVReader(store, engine, config.kv_reuse, deletes=step.owner,
+                      other_runs=(config.output, config.run_id) if config.kv_store is None else None)
+    out_io = _RowWriter(writer, step.layout, shard, config.save_latents, kv_io, enabled=step.owner)
     task = step.progress.add_task(step.label, len(pending))
     from components.engine import kernels
 
     fallbacks_before = kernels.fallbacks()
     try:
-        settings = dict(run_id=c.run_id, shard=shard, gen=gen, seed=c.seed, step_cache=c.step_cache)
+        settings = dict(run_id=config.run_id, shard=shard, gen=gen, seed=config.seed, step_cache=config.step_cache)
         if handoff is None:
             transient = _denoise_pending(engine, pending, ar_rows, kv_io, out_io, step.progress, task,
                                          prefetch=prefetch, **settings)
@@ -96,13 +95,13 @@ def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = 
         t_rows_done = time.perf_counter()  # the step's work after its last row: said when it is long
         marker = writer.commit() if step.owner else {}
         t_committed = time.perf_counter()
-        kv_io.forget(f"{c.run_id}/{shard}", prefix=True)
+        kv_io.forget(f"{config.run_id}/{shard}", prefix=True)
     finally:
         out_io.close()  # a row being written is finished (it is atomic either way), then stop
         kv_io.close()  # closes the store too, within its timeout
     t_closed = time.perf_counter()
-    if c.kv_store is None:
-        _remove_if_empty(default_kv_store(c.output, c.run_id))
+    if config.kv_store is None:
+        _remove_if_empty(default_kv_store(config.output, config.run_id))
     step.persist_compiles()
     if step.owner:
         _say_long_tail(shard, t_rows_done, t_committed, t_closed, time.perf_counter())

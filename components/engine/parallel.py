@@ -35,7 +35,6 @@ tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
