@@ -184,6 +184,31 @@ def test_the_next_shards_ar_runs_while_the_dit_finishes_this_one(dataset, monkey
     assert all(a[k][0] == b[k][0] for k in a)  # the same greedy tokens either way
 
 
+def test_a_chained_shards_ar_keeps_the_budget_the_first_measured(dataset, monkeypatch):
+    """Measured beside the previous shard's DiT, the free GPU memory is short by what that DiT holds,
+    which the DiT's reserve already set aside: the chained AR would run a smaller batch. Each
+    measurement here comes out smaller (as on the GPU); the second shard's AR must keep the first's.
+    Control: sequential steps (no chain) measure each time."""
+    from components.engine import ar_scheduler
+
+    real = ar_scheduler.Admission.for_model.__func__
+    budgets = iter([6 << 30, 5 << 30, 4 << 30, 3 << 30])
+
+    def shrinking(cls, model, *args, **kwargs):
+        admission = real(cls, model, *args, **kwargs)
+        admission.kv_budget_bytes = next(budgets)  # the CPU has no byte limit: as a GPU would measure
+        return admission
+
+    monkeypatch.setattr(ar_scheduler.Admission, "for_model", classmethod(shrinking))
+    data, root = dataset
+    out = str(root / "runs")
+    for run_id, overlap in (("budget-chain", "on"), ("budget-seq", "off")):
+        _job(data, out, run_id, overlap)
+    kept = [json.loads(Path(out, r, "shards", str(s), "steps", "ar.json").read_text())["scheduler"]["kv_budget_bytes"]
+            for r in ("budget-chain", "budget-seq") for s in (0, 1)]
+    assert kept == [6 << 30, 6 << 30, 4 << 30, 3 << 30]  # (the chained AR measured 5 and kept 6)
+
+
 class Broke(BaseException):
     """A failure the AR scheduler does not recover from (it retries rows after an Exception)."""
 

@@ -150,6 +150,8 @@ def _admission(engine: Any, config: JobConfig, handoff: Any) -> Any:
                                     config.max_num_batched_tokens, reserve_bytes=reserve)
     admission.batch_invariant = config.batch_invariant
     if handoff is not None:
+        if handoff.kv_budget_bytes is not None and admission.kv_budget_bytes is not None:
+            admission.kv_budget_bytes = handoff.kv_budget_bytes  # the chain's first measurement
         admission.gate = handoff.admit
         admission.at_most(handoff.lead_rows, None)
     return admission

@@ -24,7 +24,9 @@ run their steps in turn (their ranks' collectives would interleave across the tw
 soon as it has finished this one's, while the DiT still denoises this shard's last rows; the DiT
 then finds the next shard's first rows ready instead of waiting for them at each shard's start
 (and the AR does not sit idle through each shard's tail). Each shard still has its own handoff,
-records and commit.
+records and commit. The later ARs keep the K/V budget the first one measured (before the DiT held
+any memory): measured again beside a DiT mid-row, the DiT's memory would count twice (in use, and
+in its reserve) and the chained AR would run a smaller batch.
 """
 
 from __future__ import annotations
@@ -120,15 +122,20 @@ class _ARThread(threading.Thread):
 
         stream = (torch.cuda.stream(torch.cuda.Stream(self.device, priority=-1)) if self.device.type == "cuda"
                   else contextlib.nullcontext())
+        budget = None  # the K/V budget the first AR that ran measured
         with stream, torch.no_grad():
             for shard in self.shards:
                 handoff = self.handoffs[shard]
                 if self.error is not None:
                     handoff.finish(self.error)
                     continue
+                if budget is not None:
+                    handoff.kv_budget_bytes = budget
                 try:
                     self.results[shard] = ar_run(self.config, shard, parallel=self.parallel, handoff=handoff,
                                                  progress=self.progress)
+                    if budget is None:  # measured before this copy's DiT held any memory: the chain keeps it
+                        budget = (self.results[shard].get("ar_scheduler") or {}).get("kv_budget_bytes")
                 except BaseException as e:  # noqa: BLE001 - handed to the DiT side, which raises it
                     self.error = e
                     if not isinstance(e, Cancelled):

@@ -51,6 +51,11 @@ class Handoff:
         self.cancelled = False
         self.held_s = 0.0  # the AR's time held back at the gate with nothing in flight
         self.waited_s = 0.0  # the DiT's time waiting for a row
+        self.reserve_bytes = 0  # GPU memory the AR leaves the DiT beside it (overlap.dit_reserve_bytes)
+        # the AR's K/V budget, when an earlier shard's AR of the same copy measured it (a chained
+        # shard: measured now, the GPU memory the previous shard's DiT holds would count twice,
+        # once in use and once in reserve_bytes); None: the AR measures it
+        self.kv_budget_bytes: int | None = None
 
     # -- the AR side ------------------------------------------------------------------------------
     def admit(self, in_flight: int) -> bool:
