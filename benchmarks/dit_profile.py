@@ -2,6 +2,15 @@
 arithmetic it must do (full-width layers, dummy weights, one GPU).
 
     python3 benchmarks/dit_profile.py --layers 4 --out $OUT/dit_profile.json
+    python3 benchmarks/dit_profile.py --layers 4 --rows 2 --out $OUT/dit_profile_rows2.json
+    python3 benchmarks/dit_profile.py --layers 4 --prefill 4096 --prefix 64 --out $OUT/prefill.json
+
+`--rows N`: N rows of one bucket (same prefix length) in one step forward, batch 2N with CFG; the
+times are then also given per row, against `--rows 1`, to see what batching rows would gain.
+`--prefill T`: instead of a step, a prefill of T new tokens of one row over the cached prefix (as
+the AR's prompt chunks and the DiT's reuse prefix run it: a SlotMask, the chunk one image block
+with `--prefill-block image`, causal text otherwise), eager as the engine runs it by default and
+through the compiled regions as `compile_prefill=on` runs it (graphs dynamic in the token count).
 
 A `--layers`-layer FP8 stack (`engine.build_model_fp8`), a cached prompt prefix of `--prefix`
 tokens (random K/V) and one cached step as the DiT runs it at `--size` with CFG: both rows'
@@ -29,7 +38,7 @@ from benchmarks.decode_profile import kernel_rows, report  # noqa: E402
 from benchmarks.engine_layers import cuda_time  # noqa: E402
 from components.engine.config import get_config  # noqa: E402
 from components.engine.engine import build_model_fp8  # noqa: E402
-from components.engine.transformer import HeadMask  # noqa: E402
+from components.engine.transformer import HeadMask, SlotMask  # noqa: E402
 
 KINDS = [  # kernel name pattern -> kind (first match wins: cuDNN's attention kernels name sm90 too)
     ("attention", r"flash|fmha|attention|sdpa|flex"),
@@ -68,6 +77,9 @@ def main() -> int:
     p.add_argument("--prefix", type=int, default=5400, help="cached prompt tokens (a 1024x1024 edit's, ~5.4k)")
     p.add_argument("--size", type=int, default=1024)
     p.add_argument("--peak-tflops", type=float, default=1979.0)
+    p.add_argument("--rows", type=int, default=1, help="rows of one bucket per step forward (batch 2 x rows)")
+    p.add_argument("--prefill", type=int, default=0, help="T > 0: time a T-token prefill of one row instead")
+    p.add_argument("--prefill-block", choices=["image", "text"], default="image")
     p.add_argument("--out", default="dit_profile.json")
     p.add_argument("--check", action="store_true", help="the tiny config in float32 on the CPU (this script's own test)")
     args = p.parse_args()
@@ -83,9 +95,11 @@ def main() -> int:
     else:
         cfg = get_config("hunyuan-image-3").replace(num_hidden_layers=args.layers)
         model = build_model_fp8(cfg, device, seed=0)
+    if args.prefill > 0 and not args.check:
+        return prefill_profile(model, cfg, args)
     image = (args.size // 16) ** 2
     t = 1 + image  # <timestep> + the image tokens
-    batch = 2  # [cond; uncond]
+    batch = 2 * args.rows  # [cond; uncond] per row
     cache = model.new_cache(batch, args.prefix + t)
     for k in cache.k + cache.v:
         k.normal_()
@@ -120,8 +134,9 @@ def main() -> int:
     for k in kernels:
         kinds[k["kind"]] = round(kinds.get(k["kind"], 0.0) + k["us_per_layer"], 1)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
-              "prefix": args.prefix, "size": args.size, "tokens": batch * t,
+              "prefix": args.prefix, "size": args.size, "tokens": batch * t, "rows": args.rows,
               "ms_per_layer": round(per_layer_ms, 3), "ms_per_step_32_layers": round(per_layer_ms * 32, 1),
+              "ms_per_row_step_32_layers": round(per_layer_ms * 32 / args.rows, 1),
               "tflop_per_layer": round(total / 1e12, 3),
               "achieved_tflops": round(total / (per_layer_ms / 1e3) / 1e12, 1),
               "fraction_of_peak": round(total / (per_layer_ms / 1e3) / 1e12 / args.peak_tflops, 3),
@@ -129,6 +144,52 @@ def main() -> int:
               "kernel_us_per_layer_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
               "kernels": kernels}
     report(result, args.out, top=30, kind=True)
+    return 0
+
+
+def prefill_profile(model, cfg, args) -> int:
+    """`--prefill T`: one row's T new tokens over `--prefix` cached ones, eager and compiled."""
+    device, t, prefix = "cuda", args.prefill, args.prefix
+    cache = model.new_cache(1, prefix + t)
+    for k in cache.k + cache.v:
+        k.normal_()
+    x = torch.randn(1, t, cfg.hidden_size, device=device, dtype=model.dtype)
+    slots = torch.arange(prefix + t)
+    blocks = torch.full((prefix + t,), -1)
+    if args.prefill_block == "image":
+        blocks[prefix:] = 0
+    mask = SlotMask(slots[prefix:].unsqueeze(0), slots.unsqueeze(0), blocks[prefix:].unsqueeze(0),
+                    blocks.unsqueeze(0)).to(device)
+    positions = torch.arange(prefix, prefix + t).float()[:, None].expand(-1, 2).unsqueeze(0).to(device)
+
+    def chunk(compiled: bool):
+        cache.length = prefix  # every run writes the same slots
+        return model.forward_layers(x, positions, mask, cache, compiled=compiled, prefill=True)
+
+    flops = step_flops(cfg, t, prefix + t // 2)
+    total = sum(flops.values())
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
+              "prefill_tokens": t, "prefix": prefix, "block": args.prefill_block,
+              "tflop_per_layer": round(total / 1e12, 3)}
+    with model.autocast():
+        for name, compiled in (("eager", False), ("compiled", True)):
+            ms = cuda_time(lambda: chunk(compiled), warmup=3, repeat=10) / args.layers
+            result[f"{name}_ms_per_layer"] = round(ms, 3)
+            result[f"{name}_ms_32_layers"] = round(ms * 32, 1)
+            result[f"{name}_fraction_of_peak"] = round(total / (ms / 1e3) / 1e12 / args.peak_tflops, 3)
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        runs = 3
+        with prof:
+            for _ in range(runs):
+                chunk(False)
+            torch.cuda.synchronize()
+    kernels = [{**k, "kind": kind_of(k["name"])} for k in kernel_rows(prof, runs * args.layers)]
+    kinds: dict[str, float] = {}
+    for k in kernels:
+        kinds[k["kind"]] = round(kinds.get(k["kind"], 0.0) + k["us_per_layer"], 1)
+    result["eager_kernel_us_per_layer_by_kind"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+    result["kernels"] = kernels
+    report(result, args.out, top=25, kind=True)
     return 0
 
 
