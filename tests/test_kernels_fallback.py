@@ -121,7 +121,7 @@ def test_a_failing_compiled_region_runs_the_layers_plainly(monkeypatch):
     pos = torch.arange(5, dtype=torch.float64).view(1, -1, 1).expand(1, -1, 2)
     tries: list[int] = []
 
-    def broken(layer, x, cos, sin, mask, cache, index):
+    def broken(layer, x, cos, sin, mask, cache, index, prefill=False):
         tries.append(index)
         raise inductor_error()
 
@@ -134,6 +134,11 @@ def test_a_failing_compiled_region_runs_the_layers_plainly(monkeypatch):
         assert tries == [0] and kernels.fallbacks() == 1  # not retried at this shape
         model.forward_layers(x[:, :4], pos[:, :4], None, None, compiled=True)
         assert tries == [0, 0]  # another shape tries the compiled parts again
+        # prompt chunks: one graph for every length, so one failure sends every length the plain way
+        for n in (5, 3, 4):
+            chunk = model.forward_layers(x[:, :n], pos[:, :n], None, None, compiled=True, prefill=True)
+            assert torch.equal(chunk, model.forward_layers(x[:, :n], pos[:, :n], None, None))
+        assert tries == [0, 0, 0] and kernels.fallbacks() == 3
 
 
 def _rank(rank: int, world: int, port: int, outdir: str) -> None:
@@ -150,11 +155,11 @@ def _rank(rank: int, world: int, port: int, outdir: str) -> None:
         real = compiled_layers.layer_step
         tries: list[bool] = []
 
-        def layer_step(layer, x, cos, sin, mask, cache, index):
+        def layer_step(layer, x, cos, sin, mask, cache, index, prefill=False):
             tries.append(ctx.local_only)  # compiled parts run with collectives off only in the trial
             if rank == 1:
                 raise inductor_error()
-            return real(layer, x, cos, sin, mask, cache, index)
+            return real(layer, x, cos, sin, mask, cache, index, prefill)
 
         compiled_layers.layer_step = layer_step
         compiled_layers.BACKEND = "eager"  # dynamo's graphs without a backend compile (CPU CI)

@@ -546,10 +546,11 @@ class ARScheduler:
         positions = positions.unsqueeze(0).to(self.model.device)
         writer = _RowWriter(self.pool, seq.slot, start)
         model = self.model
+        compiled = kernels.prefill_compiled()
         if not self.wavefront:
-            return model.forward_layers(x, positions, mask, writer)[:, -1]
-        work = model.stages.start(
-            x, lambda h: model.forward_layers(h, positions, mask, writer, layers=model.stage_layers), back)
+            return model.forward_layers(x, positions, mask, writer, compiled=compiled, prefill=True)[:, -1]
+        work = model.stages.start(x, lambda h: model.forward_layers(h, positions, mask, writer, compiled=compiled,
+                                                                    layers=model.stage_layers, prefill=True), back)
         if not back:
             self.sending = [w for w in self.sending if not w.is_completed()]
             self.sending.extend(work.sends)

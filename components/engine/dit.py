@@ -313,12 +313,14 @@ class DiTGenerator:
         k = torch.arange(end).expand(len(rows), -1)
         mask = SlotMask(q, k, blocks[start:end].expand(len(rows), -1), blocks[:end].expand(len(rows), -1))
         positions, mask = positions.to(model.device), mask.to(model.device)
+        compiled = kernels.prefill_compiled()
         if stage_sends is not None and model.pipeline is not None:
-            work = model.stages.start(
-                x, lambda h: model.forward_layers(h, positions, mask, cache, layers=model.stage_layers), back=False)
+            work = model.stages.start(x, lambda h: model.forward_layers(h, positions, mask, cache, compiled=compiled,
+                                                                        layers=model.stage_layers, prefill=True),
+                                      back=False)
             stage_sends.extend(work.sends)
         else:
-            model.forward_layers(x, positions, mask, cache)
+            model.forward_layers(x, positions, mask, cache, compiled=compiled, prefill=True)
         cache.commit()
 
     def _encode(self, seq: Sequence, images: list[Image.Image], start: int,

@@ -547,18 +547,20 @@ class HunyuanImage3ForCausalMM(nn.Module):
         return self.lm_head(self.model.ln_f(hidden)).float()
 
     def forward_layers(self, x: torch.Tensor, positions: torch.Tensor, mask, cache: KVCache | None,
-                       compiled: bool = False, layers: range | None = None) -> torch.Tensor:
+                       compiled: bool = False, layers: range | None = None, prefill: bool = False) -> torch.Tensor:
         """x [B, T, H]; positions [B, T, 2] (y, x); mask bool [B, 1, T, S], a SlotMask, a HeadMask,
         or None (one mask object for all layers: a SlotMask makes its dense or block mask once).
         `compiled`: run each layer through its torch.compile'd regions (DiT denoising steps).
-        `layers`: run only these decoder layers (the DiT step cache runs the first one apart)."""
+        `layers`: run only these decoder layers (the DiT step cache runs the first one apart).
+        `prefill`: x is a prompt chunk, compiled (with `compiled`) in graphs of any token count."""
         if self.stages is not None and layers is None:  # this stage's layers, between its hand-offs
             return self.stages.across(
-                x, lambda h: self.forward_layers(h, positions, mask, cache, compiled, layers=self.stage_layers))
+                x, lambda h: self.forward_layers(h, positions, mask, cache, compiled, layers=self.stage_layers,
+                                                 prefill=prefill))
         cos, sin = rope_cos_sin(positions, self.config.attention_head_dim, self.config.rope_theta)
         indices = layers if layers is not None else self.stage_layers
         if compiled:
-            return run_layers(self, x, cos, sin, mask, cache, indices)
+            return run_layers(self, x, cos, sin, mask, cache, indices, prefill)
         for i in indices:
             x = self.model.layers[i](x, cos, sin, mask, cache, i)
         return x

@@ -25,6 +25,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "decode_attention": ("auto", "sdpa", "split"),  # AR decode attention (split: each row to its length)
     "expert_gemm": ("auto", "cutlass"),           # FP8 experts with few rows: Triton (auto) or CUTLASS
     "compile": ("auto", "off", "on"),             # torch.compile of the layers (DiT steps, AR decode), VAE norms
+    "compile_prefill": ("off", "on"),             # prompt chunks (AR prefill, DiT prefix) compiled too: see prefill_compiled
     "batch_invariant": ("off", "on"),             # a row is bitwise independent of its batch
     "stage_row_groups": ("auto", "off"),          # AR under pipeline stages: a row group per stage, or one
 }
@@ -38,6 +39,7 @@ class KernelSettings:
     decode_attention: str = "auto"
     expert_gemm: str = "auto"
     compile: str = "auto"
+    compile_prefill: str = "off"
     batch_invariant: str = "off"
     stage_row_groups: str = "auto"
 
@@ -96,6 +98,15 @@ def enabled(name: str, t: torch.Tensor, fast_value: str = "on") -> bool:
     """Whether setting `name` selects its fast path (`fast_value`) for tensor t."""
     value = getattr(settings(), name)
     return value == fast_value or (value == "auto" and fast_device(t))
+
+
+def prefill_compiled() -> bool:
+    """Whether prompt chunks run through the compiled layer regions, in graphs dynamic in the token
+    count (`compile_prefill=on`). Off by default: a chunk alone runs faster compiled, but in the
+    full FP8 job the layers recompiled for new prompt lengths, and the compiling cost more than the
+    chunks gained (docs/benchmarks.md, "compiled prompt chunks"). Asked once a forward, before its
+    stages: a later pipeline stage has no input when it decides."""
+    return settings().compile_prefill == "on"
 
 
 # -- fallbacks: a fast path that fails on some shape runs the plain path there ---------------------

@@ -42,20 +42,25 @@ BACKEND = os.environ.get("ARDIT_COMPILE_BACKEND", "inductor")
 # of one per image size); False: a static graph per bucket shape
 DYNAMIC_TOKENS = False
 
-_regions: dict[bool, tuple[Callable, Callable]] = {}
+_regions: dict[str, tuple[Callable, Callable]] = {}
 
 
-def regions(layer_type: type, decode: bool = False) -> tuple[Callable, Callable]:
+def regions(layer_type: type, kind: str = "step") -> tuple[Callable, Callable]:
     """The compiled (attention_inputs, finish) pair of the decoder layer class (transformer's
-    DecoderLayer: taken from the layer, so the kernels never import the model), made on first use.
-    The AR decode step has its own pair, dynamic in the batch (its rows change as rows come and go:
-    one graph serves them all, where static graphs would compile once per batch bucket)."""
-    if decode not in _regions:
+    DecoderLayer: taken from the layer, so the kernels never import the model) for `kind`, made on
+    first use:
+    - "step": a DiT step, static in its shape (a graph per image bucket);
+    - "decode": the AR decode step, dynamic in the batch (its rows change as rows come and go:
+      one graph serves them all, where static graphs would compile once per batch bucket);
+    - "prefill": a prompt chunk (the AR's prefill, the DiT's reuse prefix), dynamic in the token
+      count (every prompt has its own length: one graph serves them all)."""
+    if kind not in _regions:
         allow_recompiles(RECOMPILE_LIMIT)
-        dynamic = None if decode or DYNAMIC_TOKENS else False  # None: the dims marked in layer_step only
-        _regions[decode] = (torch.compile(layer_type.attention_inputs, backend=BACKEND, dynamic=dynamic),
-                            torch.compile(layer_type.finish, backend=BACKEND, dynamic=dynamic))
-    return _regions[decode]
+        static = kind == "step" and not DYNAMIC_TOKENS
+        dynamic = False if static else None  # None: the dims marked in layer_step only
+        _regions[kind] = (torch.compile(layer_type.attention_inputs, backend=BACKEND, dynamic=dynamic),
+                          torch.compile(layer_type.finish, backend=BACKEND, dynamic=dynamic))
+    return _regions[kind]
 
 
 def reset() -> None:
@@ -65,11 +70,13 @@ def reset() -> None:
 
 
 def layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask,
-               cache, index: int) -> torch.Tensor:
-    """DecoderLayer.forward with its two compiled parts (cache: the model's KVCache or None)."""
-    decode = x.shape[1] == 1  # an AR decode step: one token per row, dynamic in the rows
-    attention_inputs, finish = regions(type(layer), decode)
-    dynamic = decode or DYNAMIC_TOKENS
+               cache, index: int, prefill: bool = False) -> torch.Tensor:
+    """DecoderLayer.forward with its two compiled parts (cache: the model's KVCache or None).
+    `prefill`: x is a prompt chunk (any token count)."""
+    decode = x.shape[1] == 1  # an AR decode step (or a one-token chunk): one token per row, dynamic in the rows
+    kind = "decode" if decode else "prefill" if prefill else "step"
+    attention_inputs, finish = regions(type(layer), kind)
+    dynamic = kind != "step" or DYNAMIC_TOKENS
     if dynamic:
         for t in (x, cos, sin):
             torch._dynamo.maybe_mark_dynamic(t, 0 if decode else 1)
@@ -83,17 +90,18 @@ def layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache,
-               indices) -> torch.Tensor:
+               indices, prefill: bool = False) -> torch.Tensor:
     """`model.forward_layers(..., compiled=True)`: the layers `indices` through the compiled parts,
     or plainly for a shape whose compiled parts failed (the cache writes of a failed try are
-    written again by the plain layers: same slots)."""
+    written again by the plain layers: same slots). `prefill`: x is a prompt chunk; one graph
+    serves every token count, so a failure sends every chunk of that batch the plain way."""
     layers = model.model.layers
     x = x.contiguous()  # as every later layer's input: one graph serves the first layer too
 
     def compiled() -> torch.Tensor:
         h = x
         for i in indices:
-            h = layer_step(layers[i], h, cos, sin, mask, cache, i)
+            h = layer_step(layers[i], h, cos, sin, mask, cache, i, prefill)
         return h
 
     def plain() -> torch.Tensor:
@@ -102,5 +110,6 @@ def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mas
             h = layers[i](h, cos, sin, mask, cache, i)
         return h
 
-    key = (tuple(x.shape), x.dtype, tuple(cos.shape), type(mask).__name__, tuple(indices))
+    shape = ("prefill", x.shape[0], x.shape[1] == 1) if prefill else (tuple(x.shape), tuple(cos.shape))
+    key = (shape, x.dtype, type(mask).__name__, tuple(indices))
     return kernels.run_fast("compiled_layers", key, compiled, plain, getattr(model, "parallel", None))
