@@ -102,10 +102,10 @@ def enabled(name: str, t: torch.Tensor, fast_value: str = "on") -> bool:
 
 def prefill_compiled() -> bool:
     """Whether prompt chunks run through the compiled layer regions, in graphs dynamic in the token
-    count (`compile_prefill=on`). Off by default: a chunk alone runs faster compiled, but in the
-    full FP8 job the layers recompiled for new prompt lengths, and the compiling cost more than the
-    chunks gained (docs/benchmarks.md, "compiled prompt chunks"). Asked once a forward, before its
-    stages: a later pipeline stage has no input when it decides."""
+    count (`compile_prefill=on`). Off by default: a chunk alone runs faster compiled, but a fresh
+    process of the full FP8 job spent minutes compiling its graphs, more than the chunks gained,
+    and its effect with warm caches is not measured yet (docs/benchmarks.md). Asked once a
+    forward, before its stages: a later pipeline stage has no input when it decides."""
     return settings().compile_prefill == "on"
 
 
