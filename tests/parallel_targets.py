@@ -209,7 +209,7 @@ def _decode_went_through_compiled_regions() -> bool:
     """Whether this process ran an AR decode step through the compiled regions (they are made on first use)."""
     from components.engine.kernels import compiled_layers
 
-    return True in compiled_layers._regions
+    return "decode" in compiled_layers._regions
 
 
 def dit_killing_stage1(parallel, **kwargs) -> dict:

@@ -355,8 +355,8 @@ def test_a_compiled_call_never_runs_while_another_thread_traces(monkeypatch):
             return q
 
     # a decode step's regions (one token a row) call; a DiT step's (two tokens here) compile
-    fake = {True: (lambda layer, x, cos, sin: (x, x, x), compiled_call), False: (tracing_call, lambda l, x, o: x)}
-    monkeypatch.setattr(compiled_layers, "regions", lambda layer_type, decode=False: fake[decode])
+    fake = {"decode": (lambda layer, x, cos, sin: (x, x, x), compiled_call), "step": (tracing_call, lambda l, x, o: x)}
+    monkeypatch.setattr(compiled_layers, "regions", lambda layer_type, kind="step": fake[kind])
 
     def race() -> list[str]:
         errors: list[str] = []
