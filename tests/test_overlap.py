@@ -209,6 +209,30 @@ def test_a_chained_shards_ar_keeps_the_budget_the_first_measured(dataset, monkey
     assert kept == [6 << 30, 6 << 30, 4 << 30, 3 << 30]  # (the chained AR measured 5 and kept 6)
 
 
+def test_a_chained_shards_ar_fills_its_pool_from_its_first_wave(dataset, monkeypatch):
+    """The first shard's AR admits a small head wave (4 rows) so that the idle DiT starts soon; a
+    chained shard's AR starts while the DiT still denoises the shard before, so it admits a whole
+    wave at once (all 5 of its rows here) instead of running 4 rows for a whole CoT first. Control:
+    the first shard admits no fifth row before one of its rows finished."""
+    from components.runtime.handoff import HEAD_ROWS, Handoff
+
+    admitted: list[tuple[int, int, int]] = []  # (handoff, rows in flight, rows finished) of each admission
+    real = Handoff.admit
+
+    def admit(self, in_flight):
+        ok = real(self, in_flight)
+        if ok:
+            admitted.append((id(self), in_flight, self.put_count))
+        return ok
+
+    monkeypatch.setattr(Handoff, "admit", admit)
+    data, root = dataset
+    _job(data, str(root / "runs"), "full-wave", "on")
+    first, chained = list(dict.fromkeys(h for h, _, _ in admitted))
+    before_any_finished = {h: max(n for hh, n, put in admitted if hh == h and put == 0) + 1 for h in (first, chained)}
+    assert before_any_finished == {first: HEAD_ROWS, chained: 5}
+
+
 class Broke(BaseException):
     """A failure the AR scheduler does not recover from (it retries rows after an Exception)."""
 

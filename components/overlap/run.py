@@ -26,7 +26,9 @@ then finds the next shard's first rows ready instead of waiting for them at each
 (and the AR does not sit idle through each shard's tail). Each shard still has its own handoff,
 records and commit. The later ARs keep the K/V budget the first one measured (before the DiT held
 any memory): measured again beside a DiT mid-row, the DiT's memory would count twice (in use, and
-in its reserve) and the chained AR would run a smaller batch.
+in its reserve) and the chained AR would run a smaller batch. Nor do they start with the small
+first wave that gets an idle DiT going (the DiT is busy with the shard before): their first wave
+fills the pool.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from components.data.runs import RunLayout
 from components.dit.run import run as dit_run
 from components.errors import ConfigError
 from components.jobconfig import JobConfig
-from components.runtime.handoff import Cancelled, Handoff
+from components.runtime.handoff import LEAD_ROWS, Cancelled, Handoff
 from components.step_lifecycle import job_engine
 
 
@@ -62,7 +64,9 @@ def run(config: JobConfig, shard: int, *, progress: Any = None, parallel: Any = 
     t_load = time.perf_counter()
     loaded = job_engine(config, parallel)
     load_s = time.perf_counter() - t_load
-    handoffs = {shard: handoff or Handoff(), **{s: Handoff() for s in then}}
+    # a chained shard's AR starts while the DiT still has the shard before's rows to denoise: no
+    # small first wave to get the DiT going, a full batch from its first step
+    handoffs = {shard: handoff or Handoff(), **{s: Handoff(head_rows=LEAD_ROWS) for s in then}}
     reserve = dit_reserve_bytes(loaded.model)
     for h in handoffs.values():
         h.reserve_bytes = reserve
