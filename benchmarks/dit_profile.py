@@ -70,6 +70,23 @@ def step_flops(cfg, tokens: int, keys: int) -> dict[str, float]:
             "router": 2 * tokens * h * cfg.num_experts}
 
 
+def random_cache(model, rows: int, capacity: int):
+    """A KV cache of `rows` x `capacity` slots filled with random K/V (what a prefix holds is not timed)."""
+    cache = model.new_cache(rows, capacity)
+    for k in cache.k + cache.v:
+        k.normal_()
+    return cache
+
+
+def kernels_by_kind(prof, per_layer: int) -> tuple[list[dict], dict[str, float]]:
+    """A profiler run's kernels (with their kind) and microseconds a layer per kind, largest first."""
+    kernels = [{**k, "kind": kind_of(k["name"])} for k in kernel_rows(prof, per_layer)]
+    kinds: dict[str, float] = {}
+    for k in kernels:
+        kinds[k["kind"]] = round(kinds.get(k["kind"], 0.0) + k["us_per_layer"], 1)
+    return kernels, dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
 @torch.no_grad()
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,9 +117,7 @@ def main() -> int:
     image = (args.size // 16) ** 2
     t = 1 + image  # <timestep> + the image tokens
     batch = 2 * args.rows  # [cond; uncond] per row
-    cache = model.new_cache(batch, args.prefix + t)
-    for k in cache.k + cache.v:
-        k.normal_()
+    cache = random_cache(model, batch, args.prefix + t)
     cache.length = args.prefix
     x = torch.randn(batch, t, cfg.hidden_size, device=device, dtype=model.dtype)
     side = int(image ** 0.5)
@@ -129,10 +144,7 @@ def main() -> int:
     flops = step_flops(cfg, batch * t, args.prefix + t)
     per_layer_ms = ms / args.layers
     total = sum(flops.values())
-    kernels = [{**k, "kind": kind_of(k["name"])} for k in kernel_rows(prof, runs * args.layers)]
-    kinds: dict[str, float] = {}
-    for k in kernels:
-        kinds[k["kind"]] = round(kinds.get(k["kind"], 0.0) + k["us_per_layer"], 1)
+    kernels, kinds = kernels_by_kind(prof, runs * args.layers)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
               "prefix": args.prefix, "size": args.size, "tokens": batch * t, "rows": args.rows,
               "ms_per_layer": round(per_layer_ms, 3), "ms_per_step_32_layers": round(per_layer_ms * 32, 1),
@@ -141,7 +153,7 @@ def main() -> int:
               "achieved_tflops": round(total / (per_layer_ms / 1e3) / 1e12, 1),
               "fraction_of_peak": round(total / (per_layer_ms / 1e3) / 1e12 / args.peak_tflops, 3),
               "flops_by_part": {k: round(v / 1e12, 3) for k, v in flops.items()},
-              "kernel_us_per_layer_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+              "kernel_us_per_layer_by_kind": kinds,
               "kernels": kernels}
     report(result, args.out, top=30, kind=True)
     return 0
@@ -150,9 +162,7 @@ def main() -> int:
 def prefill_profile(model, cfg, args) -> int:
     """`--prefill T`: one row's T new tokens over `--prefix` cached ones, eager and compiled."""
     device, t, prefix = "cuda", args.prefill, args.prefix
-    cache = model.new_cache(1, prefix + t)
-    for k in cache.k + cache.v:
-        k.normal_()
+    cache = random_cache(model, 1, prefix + t)
     x = torch.randn(1, t, cfg.hidden_size, device=device, dtype=model.dtype)
     slots = torch.arange(prefix + t)
     blocks = torch.full((prefix + t,), -1)
@@ -183,11 +193,8 @@ def prefill_profile(model, cfg, args) -> int:
             for _ in range(runs):
                 chunk(False)
             torch.cuda.synchronize()
-    kernels = [{**k, "kind": kind_of(k["name"])} for k in kernel_rows(prof, runs * args.layers)]
-    kinds: dict[str, float] = {}
-    for k in kernels:
-        kinds[k["kind"]] = round(kinds.get(k["kind"], 0.0) + k["us_per_layer"], 1)
-    result["eager_kernel_us_per_layer_by_kind"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+    kernels, kinds = kernels_by_kind(prof, runs * args.layers)
+    result["eager_kernel_us_per_layer_by_kind"] = kinds
     result["kernels"] = kernels
     report(result, args.out, top=25, kind=True)
     return 0
