@@ -11,6 +11,10 @@ times are then also given per row, against `--rows 1`, to see what batching rows
 the AR's prompt chunks and the DiT's reuse prefix run it: a SlotMask, the chunk one image block
 with `--prefill-block image`, causal text otherwise), eager as the engine runs it by default and
 through the compiled regions as `compile_prefill=on` runs it (graphs dynamic in the token count).
+`--save-output F` keeps the step's output hidden states and `--compare-to F ...` gives the relative
+difference of this run's output to saved ones: e.g. a run with `ARDIT_KERNELS=fp8_accum=fast`
+against one with `fp8_accum=exact` and one with `--precision bf16` (the same seeded weights, K/V
+and inputs), to set the fast accumulation's error beside FP8's own.
 
 A `--layers`-layer FP8 stack (`engine.build_model_fp8`), a cached prompt prefix of `--prefix`
 tokens (random K/V) and one cached step as the DiT runs it at `--size` with CFG: both rows'
@@ -97,10 +101,14 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=1, help="rows of one bucket per step forward (batch 2 x rows)")
     p.add_argument("--prefill", type=int, default=0, help="T > 0: time a T-token prefill of one row instead")
     p.add_argument("--prefill-block", choices=["image", "text"], default="image")
+    p.add_argument("--precision", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--save-output", help="write the step's output hidden states here (torch.save)")
+    p.add_argument("--compare-to", nargs="*", default=[], help="saved outputs to compare this run's with")
     p.add_argument("--out", default="dit_profile.json")
     p.add_argument("--check", action="store_true", help="the tiny config in float32 on the CPU (this script's own test)")
     args = p.parse_args()
 
+    torch.manual_seed(0)  # the same K/V and inputs in every run, for --compare-to
     device = "cpu" if args.check else "cuda"
     if args.check:
         from components.engine.engine import build_model, materialize
@@ -111,7 +119,14 @@ def main() -> int:
         args.layers, args.prefix, args.size = cfg.num_hidden_layers, 64, 128
     else:
         cfg = get_config("hunyuan-image-3").replace(num_hidden_layers=args.layers)
-        model = build_model_fp8(cfg, device, seed=0)
+        if args.precision == "fp8":
+            model = build_model_fp8(cfg, device, seed=0)
+        else:  # the same seeded weights, unquantized
+            from components.engine.engine import build_model, materialize
+
+            model = build_model(cfg, device, allocate=False)
+            materialize(model, device, None, 0)
+            model.eval()
     if args.prefill > 0 and not args.check:
         return prefill_profile(model, cfg, args)
     image = (args.size // 16) ** 2
@@ -134,6 +149,7 @@ def main() -> int:
         print(json.dumps({"check": "ok", "flops": step_flops(cfg, batch * t, args.prefix + t)}))
         return 0
     with model.autocast():
+        output = step().float()
         ms = cuda_time(step, warmup=3, repeat=10)
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         runs = 3
@@ -155,6 +171,12 @@ def main() -> int:
               "flops_by_part": {k: round(v / 1e12, 3) for k, v in flops.items()},
               "kernel_us_per_layer_by_kind": kinds,
               "kernels": kernels}
+    if args.save_output:
+        torch.save(output.cpu(), args.save_output)
+    for other in args.compare_to:  # relative L2 difference of the outputs
+        theirs = torch.load(other).to(output.device)
+        result.setdefault("output_rel_diff_to", {})[other] = round(
+            ((output - theirs).norm() / theirs.norm()).item(), 6)
     report(result, args.out, top=30, kind=True)
     return 0
 

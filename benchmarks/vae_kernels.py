@@ -12,7 +12,8 @@ warm-up; the first call, which compiles, is timed apart), peak memory of one cal
 max abs / relative difference of latents and pixels. Also one norm + SiLU + float16 cast at the
 encoder's first activation (128 x 4 frames x size^2, float16) and the decoder's last (the same in
 float32). On the CPU both modes run nn.GroupNorm (the compiled path is CUDA only): that run checks
-the plumbing. Prints a table; writes JSON.
+the plumbing. `--cudnn-benchmark` lets cuDNN time its convolution algorithms per shape first.
+Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -150,13 +151,16 @@ def main() -> None:
     p.add_argument("--size", type=int, default=1024, help="image side (a multiple of 16)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="let cuDNN time its convolution algorithms per shape (torch.backends.cudnn.benchmark)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
 
     cfg = tiny_config().vae if args.tiny else VAEConfig()
     res: dict = {"config": "tiny" if args.tiny else "full", "size": args.size, "torch": torch.__version__,
                  "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                 "date": time.strftime("%Y-%m-%d")}
+                 "date": time.strftime("%Y-%m-%d"), "cudnn_benchmark": args.cudnn_benchmark}
     torch.manual_seed(0)
     vae = build_vae(cfg).to(args.device).eval()  # float32 weights, float16 autocast on CUDA (engine defaults)
     res["weights_gb"] = sum(t.numel() * t.element_size() for t in vae.parameters()) / 1e9

@@ -387,6 +387,82 @@ def test_fused_path_plumbing_on_cpu(monkeypatch, tiny_fp8, combine):
 
 
 # -- tensor parallel ------------------------------------------------------------------------------
+def test_fast_accumulation_only_for_compute_bound_gemms_and_never_batch_invariant(monkeypatch, tiny_fp8):
+    """`fp8_accum=auto`: the fused FP8 GEMMs accumulate fast from FAST_ACCUM_MIN_ROWS rows (the
+    DiT's steps, prompt chunks), exactly below (AR decode) and always under batch_invariant=on; the
+    routed experts count (token, expert) pairs. The fused kernels are CUDA-only: recorders stand in."""
+    from components.engine import kernels
+
+    seen: list[tuple[str, int, bool]] = []
+
+    def dense(x, weight, scale, bias=None, use_fast_accum=False):
+        seen.append(("dense", x.shape[0], use_fast_accum))
+        return fp8_linear_reference(x, weight, scale, bias)
+
+    def routed(x, weights, experts, *w, use_fast_accum=False, combine="compiled"):
+        seen.append(("experts", experts.numel(), use_fast_accum))
+        return fp8_moe_reference(x, weights, experts, *w)
+
+    monkeypatch.setattr(quant, "dense_fused_supported", lambda *a: True)
+    monkeypatch.setattr(quant, "grouped_fused_supported", lambda *a: True)
+    monkeypatch.setattr(quant, "fp8_linear_fused", dense)
+    monkeypatch.setattr(quant, "fp8_moe_fused", routed)
+    lin = Fp8Linear.from_linear(nn.Linear(32, 16))
+    moe: MoE = tiny_fp8.model.layers[0].mlp
+    top_k = moe.route(torch.randn(1, moe.experts.hidden))[1].shape[1]
+    small, large = kernels.FAST_ACCUM_MIN_ROWS - 1, kernels.FAST_ACCUM_MIN_ROWS
+
+    def run(spec: str) -> list[bool]:
+        previous = kernels.configure(spec)
+        try:
+            seen.clear()
+            with torch.no_grad():
+                lin(torch.randn(small, 32))
+                lin(torch.randn(large, 32))
+                x = torch.randn(4, moe.experts.hidden)
+                w, e = moe.route(x)
+                moe.experts(x, w, e)
+                big = torch.randn(large, moe.experts.hidden)
+                moe.experts(big, *moe.route(big))
+            return [fast for _, _, fast in seen]
+        finally:
+            kernels.configure(previous)
+
+    assert run("fp8_accum=auto") == [False, True, False, True]
+    assert [(kind, rows) for kind, rows, _ in seen] == [("dense", small), ("dense", large), ("experts", 4 * top_k),
+                                                       ("experts", large * top_k)]
+    assert run("fp8_accum=auto,batch_invariant=on") == [False] * 4
+    assert run("fp8_accum=fast") == [True] * 4
+    assert run("fp8_accum=exact") == [False] * 4
+    assert run("plain") == [False] * 4
+    with pytest.raises(ValueError, match="fp8_accum"):
+        kernels.parse("fp8_accum=sometimes")
+
+
+def test_fast_accumulation_compiles_into_one_graph_for_a_dynamic_row_count(monkeypatch):
+    """Under torch.compile with a dynamic token count the accumulation choice must reach the GEMM as
+    a plain bool: a SymBool there broke the graph (`_scaled_mm(): argument 'use_fast_accum' must be
+    bool`) and every linear of a compiled layer region became a frame of its own (21 -> 46 frames in
+    the full GPU job). The CPU build's torch._scaled_mm stands in for the CUDA kernel."""
+    import torch._dynamo as dynamo
+
+    monkeypatch.setattr(quant, "dense_fused_supported", lambda *a: True)
+    lin = Fp8Linear.from_linear(nn.Linear(64, 32))
+    x = torch.randn(2048, 64).to(torch.bfloat16)
+    try:
+        lin(x)
+    except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on the CPU build
+        pytest.skip(f"torch._scaled_mm on CPU: {e}")
+    dynamo.reset()
+    compiled = torch.compile(lambda t: lin(t), fullgraph=True)  # a graph break raises here
+    for rows in (2048, 3000, 16):
+        t = torch.randn(rows, 64).to(torch.bfloat16)
+        dynamo.mark_dynamic(t, 0)
+        with torch.no_grad():
+            assert torch.equal(compiled(t), lin(t))
+    dynamo.reset()
+
+
 def _tp_logits_and_latents(engine) -> dict:
     from components.engine import ARRequest, DiTRequest, SamplingParams
     from components.engine.transformer import attention_mask

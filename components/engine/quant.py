@@ -12,10 +12,12 @@ One definition of the numbers, two ways to compute them:
     output   Y = (Xq @ Wq^T) * sx[:, None] * sw[None, :]
 
 - fused (CUDA, bf16 activations, SM90/SM100): Xq from a compiled quantize kernel, the product by
-  `torch._scaled_mm` (dense) or `torch._scaled_grouped_mm` (experts), fp32 accumulation, bf16 out;
+  `torch._scaled_mm` (dense) or `torch._scaled_grouped_mm` (experts), bf16 out; fp32 accumulation,
+  or the tensor cores' fast accumulation for compute-bound GEMMs (`kernels.fast_accumulation`);
 - reference (any device and dtype; the CPU path): the same Xq and Wq, dequantized to fp32 and
   multiplied in fp32.
-The two differ only in accumulation order and the bf16 rounding of the fused output.
+The two differ only in accumulation (order, and precision in the fast mode) and the bf16 rounding
+of the fused output.
 
 Applied from outside, module by module: `quantize_model_fp8_(model)` swaps `Fp8Linear` /
 `Fp8Experts` (and `Fp8RowParallelLinear` under tensor parallelism) in for the plain modules of every
@@ -197,7 +199,6 @@ class Fp8Linear(_KeepsStorageDtypes):
     """nn.Linear with an E4M3 weight [out, in] and a float32 scale per output channel [out]."""
 
     impl: str = "auto"  # "auto": fused where supported, else reference | "fused" | "reference"
-    use_fast_accum: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
                  dtype: torch.dtype | None = None) -> None:
@@ -237,7 +238,10 @@ class Fp8Linear(_KeepsStorageDtypes):
         flat = x.reshape(-1, self.in_features)
         if self.impl == "fused" or (self.impl == "auto"
                                     and dense_fused_supported(flat, self.in_features, self.out_features)):
-            y = fp8_linear_fused(flat, self.weight, self.weight_scale, bias, self.use_fast_accum)
+            from . import kernels
+
+            y = fp8_linear_fused(flat, self.weight, self.weight_scale, bias,
+                                 kernels.fast_accumulation(flat.shape[0]))
         else:
             y = fp8_linear_reference(flat, self.weight, self.weight_scale, bias)
         return y.view(*x.shape[:-1], self.out_features)
@@ -266,7 +270,6 @@ class Fp8Experts(_KeepsStorageDtypes):
     per-output-channel scales [E, 2I] / [E, H]; same call as `Experts.forward`."""
 
     impl: str = "auto"  # "auto": fused where supported, else reference | "fused" | "reference"
-    use_fast_accum: bool = False
     combine: str = "compiled"  # "compiled" (gather + weighted sum in one kernel) | "bmm"
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None,
@@ -317,9 +320,9 @@ class Fp8Experts(_KeepsStorageDtypes):
                                     and grouped_fused_supported(x, self.hidden, self.intermediate)):
             from . import kernels
 
+            fast = kernels.fast_accumulation(experts.numel())  # the GEMMs' rows: (token, expert) pairs
             return kernels.run_fast("fp8_moe", kernels.moe_key(x),
-                                    lambda: fp8_moe_fused(*args, use_fast_accum=self.use_fast_accum,
-                                                          combine=self.combine),
+                                    lambda: fp8_moe_fused(*args, use_fast_accum=fast, combine=self.combine),
                                     lambda: fp8_moe_reference(*args))
         return fp8_moe_reference(*args)
 
