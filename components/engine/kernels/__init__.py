@@ -122,9 +122,9 @@ def fast_accumulation(rows: int) -> bool:
     """Whether an FP8 GEMM of `rows` rows accumulates in the tensor cores' fast mode (Hopper's FP8
     MMA adds into its own reduced-precision accumulator instead of promoting partial sums to fp32
     registers; vLLM's FP8 CUTLASS kernels use it too). `fp8_accum=auto`: fast from
-    FAST_ACCUM_MIN_ROWS rows, where it made the grouped expert GEMM 18 % faster on an H200 at an
-    error a quarter of FP8's own (docs/benchmarks.md); exact below, and exact always under
-    `batch_invariant=on`, whose rows stay bitwise what they were."""
+    FAST_ACCUM_MIN_ROWS rows, where it makes the DiT step faster and its output stays as close to
+    the bf16 model's as exact accumulation's (docs/benchmarks.md); exact below, and exact always
+    under `batch_invariant=on`, whose rows stay bitwise what they were."""
     s = settings()
     if s.fp8_accum != "auto":
         return s.fp8_accum == "fast"
