@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from benchmarks.decode_profile import kernel_rows, report  # noqa: E402
 from benchmarks.engine_layers import cuda_time  # noqa: E402
 from components.engine.config import get_config  # noqa: E402
-from components.engine.engine import build_model_fp8  # noqa: E402
+from components.engine.engine import build_model, build_model_fp8, materialize  # noqa: E402
 from components.engine.transformer import HeadMask, SlotMask  # noqa: E402
 
 KINDS = [  # kernel name pattern -> kind (first match wins: cuDNN's attention kernels name sm90 too)
@@ -111,22 +111,16 @@ def main() -> int:
     torch.manual_seed(0)  # the same K/V and inputs in every run, for --compare-to
     device = "cpu" if args.check else "cuda"
     if args.check:
-        from components.engine.engine import build_model, materialize
-
         cfg = get_config("tiny")
-        model = build_model(cfg, "cpu", allocate=False)
-        materialize(model, "cpu", None, 0)
         args.layers, args.prefix, args.size = cfg.num_hidden_layers, 64, 128
     else:
         cfg = get_config("hunyuan-image-3").replace(num_hidden_layers=args.layers)
-        if args.precision == "fp8":
-            model = build_model_fp8(cfg, device, seed=0)
-        else:  # the same seeded weights, unquantized
-            from components.engine.engine import build_model, materialize
-
-            model = build_model(cfg, device, allocate=False)
-            materialize(model, device, None, 0)
-            model.eval()
+    if args.check or args.precision == "bf16":  # unquantized, the same seeded weights as the FP8 stack's
+        model = build_model(cfg, device, allocate=False)
+        materialize(model, device, None, 0)
+        model.eval()
+    else:
+        model = build_model_fp8(cfg, device, seed=0)
     if args.prefill > 0 and not args.check:
         return prefill_profile(model, cfg, args)
     image = (args.size // 16) ** 2
@@ -149,7 +143,7 @@ def main() -> int:
         print(json.dumps({"check": "ok", "flops": step_flops(cfg, batch * t, args.prefix + t)}))
         return 0
     with model.autocast():
-        output = step().float()
+        output = step().float() if args.save_output or args.compare_to else None
         ms = cuda_time(step, warmup=3, repeat=10)
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         runs = 3

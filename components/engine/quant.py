@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import HunyuanImage3Config
 from .kernels.compiled import call_compiled
 from .kernels.moe import combine_sorted, inverse_order, sort_by_expert
@@ -125,7 +126,6 @@ def _scaled_grouped_mm(a: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, 
     """Rows a [M, K] of each expert times its weight w [E, N, K]^T with rowwise scales -> [M, N] bf16:
     for few rows (AR decode) the Triton kernel of kernels/fp8_grouped.py (`expert_gemm=auto`), which
     does not pad each expert's rows to CUTLASS's tile; else, or where it fails, `torch._scaled_grouped_mm`."""
-    from . import kernels
     from .kernels import fp8_grouped
 
     def cutlass() -> torch.Tensor:
@@ -238,8 +238,6 @@ class Fp8Linear(_KeepsStorageDtypes):
         flat = x.reshape(-1, self.in_features)
         if self.impl == "fused" or (self.impl == "auto"
                                     and dense_fused_supported(flat, self.in_features, self.out_features)):
-            from . import kernels
-
             y = fp8_linear_fused(flat, self.weight, self.weight_scale, bias,
                                  kernels.fast_accumulation(flat.shape[0]))
         else:
@@ -318,8 +316,6 @@ class Fp8Experts(_KeepsStorageDtypes):
                 self.down_proj_scale)
         if self.impl == "fused" or (self.impl == "auto"
                                     and grouped_fused_supported(x, self.hidden, self.intermediate)):
-            from . import kernels
-
             fast = kernels.fast_accumulation(experts.numel())  # the GEMMs' rows: (token, expert) pairs
             return kernels.run_fast("fp8_moe", kernels.moe_key(x),
                                     lambda: fp8_moe_fused(*args, use_fast_accum=fast, combine=self.combine),
