@@ -386,7 +386,6 @@ def test_fused_path_plumbing_on_cpu(monkeypatch, tiny_fp8, combine):
     assert _rel(y, fp8_linear_reference(x, lin.weight, lin.weight_scale)) < 2e-3
 
 
-# -- tensor parallel ------------------------------------------------------------------------------
 def test_fast_accumulation_only_for_compute_bound_gemms_and_never_batch_invariant(monkeypatch, tiny_fp8):
     """`fp8_accum=auto`: the fused FP8 GEMMs accumulate fast from FAST_ACCUM_MIN_ROWS rows (the
     DiT's steps, prompt chunks), exactly below (AR decode) and always under batch_invariant=on; the
@@ -463,6 +462,67 @@ def test_fast_accumulation_compiles_into_one_graph_for_a_dynamic_row_count(monke
     dynamo.reset()
 
 
+def test_batch_invariant_rows_stay_independent_of_their_batch_under_fast_accumulation(monkeypatch):
+    """`--batch-invariant` (Admission.batch_invariant, the job's flag) leaves the kernel setting
+    fp8_accum=auto as it is: a GEMM's accumulation mode follows its row count, and under the flag
+    every GEMM of a row is its own (its prompt chunks, its one-row decode steps), so the row's
+    tokens and K/V stay bitwise those it gets alone. Recorders stand in for the CUDA-only fused
+    kernels and change the result's last bits in fast mode, as the tensor cores' accumulator does;
+    FAST_ACCUM_MIN_ROWS is lowered so that the tiny model's prompts and a batched decode step
+    (3 rows, 6 (token, expert) pairs) are fast and a one-row decode step (1 row, 2 pairs) exact.
+    Control: without the flag the row shares decode steps with its neighbours, and its K/V change."""
+    from components.engine import ARRequest, Engine, SamplingParams, kernels
+    from components.engine import ar as ar_module
+    from components.engine.ar_scheduler import Admission
+
+    modes: set[bool] = set()
+
+    def fast_bits(y: torch.Tensor, fast: bool) -> torch.Tensor:
+        modes.add(fast)
+        return y * (1 + 2 ** -7) if fast else y
+
+    def dense(x, weight, scale, bias=None, use_fast_accum=False):
+        return fast_bits(fp8_linear_reference(x, weight, scale, bias), use_fast_accum)
+
+    def routed(x, weights, experts, *w, use_fast_accum=False, combine="compiled"):
+        return fast_bits(fp8_moe_reference(x, weights, experts, *w), use_fast_accum)
+
+    monkeypatch.setattr(quant, "dense_fused_supported", lambda *a: True)
+    monkeypatch.setattr(quant, "grouped_fused_supported", lambda *a: True)
+    monkeypatch.setattr(quant, "fp8_linear_fused", dense)
+    monkeypatch.setattr(quant, "fp8_moe_fused", routed)
+    monkeypatch.setattr(kernels, "FAST_ACCUM_MIN_ROWS", 3)
+    monkeypatch.setattr(ar_module, "PREFILL_DECODED_KV", False)  # export the decode steps' own K/V
+    engine = Engine.load("tiny", seed=0, quantization="fp8")
+    assert engine.model.config.moe_topk[0] == 2
+    # the CoT kept in the tokenizer, so that the decoded tokens' K/V are in the exported K/V
+    # (test_batch_invariant.py: ids past the tokenizer leave the re-encoded CoT)
+    logits, known = engine.model.text_logits, engine.tokenizer.vocab_size
+    monkeypatch.setattr(engine.model, "text_logits", lambda h: logits(h).index_fill(
+        -1, torch.arange(known, engine.model.config.vocab_size, device=h.device), float("-inf")))
+    sampling = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=12)
+    target = ARRequest("target", "a red fox in the snow, photographed at dawn", [], bot_task="think_recaption",
+                       seed=5)
+    batch = [ARRequest("n1", "a cat", [], bot_task="think_recaption", seed=1), target,
+             ARRequest("n2", "a lighthouse at night", [], bot_task="think_recaption", seed=2)]
+
+    def run(requests: list, batch_invariant: bool):
+        results: dict = {}
+        engine.ar.stream(requests, lambda req, out: results.__setitem__(req.id, out), sampling,
+                         admission=Admission(max_rows=3, batch_invariant=batch_invariant))
+        out = results["target"]
+        return out.generated_ids, out.prompt_kv.keys + out.prompt_kv.values
+
+    assert kernels.settings().fp8_accum == "auto" and kernels.settings().batch_invariant == "off"
+    alone_ids, alone_kv = run([target], True)
+    ids, kv = run(batch, True)
+    assert modes == {True, False}  # both modes ran: prompt chunks fast, one-row decode steps exact
+    assert ids == alone_ids and all(torch.equal(a, b) for a, b in zip(kv, alone_kv))
+    _, shared_kv = run(batch, False)  # control: decode steps of 3 rows accumulate fast
+    assert not all(torch.equal(a, b) for a, b in zip(shared_kv, alone_kv))
+
+
+# -- tensor parallel ------------------------------------------------------------------------------
 def _tp_logits_and_latents(engine) -> dict:
     from components.engine import ARRequest, DiTRequest, SamplingParams
     from components.engine.transformer import attention_mask

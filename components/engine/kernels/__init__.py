@@ -124,7 +124,9 @@ def fast_accumulation(rows: int) -> bool:
     registers; vLLM's FP8 CUTLASS kernels use it too). `fp8_accum=auto`: fast from
     FAST_ACCUM_MIN_ROWS rows, where it makes the DiT step faster and its output stays as close to
     the bf16 model's as exact accumulation's (docs/benchmarks.md); exact below, and exact always
-    under `batch_invariant=on`, whose rows stay bitwise what they were."""
+    under `batch_invariant=on`. A job's `--batch-invariant` (the AR's Admission) keeps `auto`: each
+    GEMM of its rows is one row's (its prompt chunks, its decode steps, its DiT steps), so the mode
+    follows the row alone and the row stays independent of its batch (test_engine_fp8.py)."""
     s = settings()
     if s.fp8_accum != "auto":
         return s.fp8_accum == "fast"
