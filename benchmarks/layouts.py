@@ -11,9 +11,9 @@ IT2I rows with 1024x1024 conditioning images and outputs (--output-size), 8 step
 
 Per layout it reports: rows ok / failed (and the first failure), wall time, model load time,
 img/GPU-h end to end and without the load (wall - load), seconds per row per stage (AR prefill,
-AR decode, DiT), peak memory per GPU (nvidia-smi, sampled every 0.5 s), kernel fallbacks, and each
-shard's step records (wall time, the AR's pool and decode step, frames compiled and their seconds, GPU
-memory peaks and retries).
+AR decode, DiT; of the DiT its mean step, its prefix and its VAE decode), peak memory per GPU
+(nvidia-smi, sampled every 0.5 s), kernel fallbacks, and each shard's step records (wall time,
+the AR's pool and decode step, frames compiled and their seconds, GPU memory peaks and retries).
 With --time-limit the job running at the limit is stopped as Ctrl-C would, and what it committed is
 reported (`cut_by_time_limit`); --out is written after every layout.
 Layout names: tpN, ppN, dpN and combinations joined by 'x' (e.g. pp2xtp2, dp2xtp1), with `:seq` or
@@ -272,6 +272,7 @@ def run_layout(name: str, args: argparse.Namespace, dataset: Path, model: str, w
                                              if r.get(f"dit_group_{phase}_s") is not None])
                                 for phase in ("prepare", "denoise", "finish")},
         "dit_prefix_s_per_row": mean([r.get("dit_prefix_s") for r in ok]),
+        "vae_decode_s_per_row": mean([r.get("vae_decode_s") for r in ok]),  # the row's image, after its steps
         "kv_paths": sorted({str(r.get("kv_path")) for r in ok}),
         "kernel_fallbacks": summary.get("kernel_fallbacks"),
         "ar_oom_retries": summary.get("ar_oom_retries"), "gpu_alloc_retries": summary.get("gpu_alloc_retries"),
