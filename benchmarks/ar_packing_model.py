@@ -29,7 +29,8 @@ def cot_lengths(n: int, median: int, lo: int, hi: int, rng: random.Random) -> li
 
 
 def decode_steps(queues: list[list[int]], pool: int, chunks: int) -> tuple[int, float]:
-    """(scheduler steps, mean rows a decode step) for the queues run one after the other."""
+    """(decode steps, mean rows a decode step) for the queues run one after the other; a step with
+    only a prompt chunk and no row decoding is not a decode step (as in the scheduler's record)."""
     steps = decoded = 0
     for queue in queues:
         waiting = list(queue)
@@ -43,7 +44,7 @@ def decode_steps(queues: list[list[int]], pool: int, chunks: int) -> tuple[int, 
             batch = [r for r in rows if r[1] == 0 and r is not prefilling]
             for r in batch:
                 r[0] -= 1
-            steps += 1
+            steps += bool(batch)
             decoded += len(batch)
             rows = [r for r in rows if r[0] > 0 or r[1] > 0]
     return steps, decoded / max(steps, 1)

@@ -21,7 +21,7 @@ import torch
 from components.engine import ARRequest, Engine, SamplingParams, kernels
 
 from .step_config import step_config
-from .test_engine_helpers import random_image
+from .test_engine_helpers import keep_cot_in_tokenizer, random_image
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=12)
 
@@ -76,11 +76,7 @@ def test_row_is_bitwise_independent_of_its_batch(engine, monkeypatch):
 def test_without_the_mode_rows_share_decode_steps(engine, monkeypatch):
     """Negative control (see the module docstring): without the mode the target shares its decode
     steps with its neighbours, and its K/V stay within rounding of the other batch's."""
-    # the CoT kept in the tokenizer (ids past it are sampled, as officially, but leave the re-encoded
-    # CoT, and with them the decoded tokens leave the exported K/V)
-    logits, known = engine.model.text_logits, engine.tokenizer.vocab_size
-    monkeypatch.setattr(engine.model, "text_logits", lambda h: logits(h).index_fill(
-        -1, torch.arange(known, engine.model.config.vocab_size, device=h.device), float("-inf")))
+    keep_cot_in_tokenizer(engine, monkeypatch)  # the decoded tokens' K/V stay in the exported K/V
     out_a, out_b = _target_in_both(engine, "off", monkeypatch)
     assert out_a.prompt_ids == out_b.prompt_ids
     assert out_a.timings["ar_batch_size"] > 1 and out_b.timings["ar_batch_size"] > 1  # decode steps shared

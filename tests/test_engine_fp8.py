@@ -38,7 +38,7 @@ from components.engine.transformer import Experts, HunyuanImage3ForCausalMM, MoE
 from components.engine.weights import init_dummy_weights, save_pretrained
 
 from . import parallel_targets
-from .test_engine_helpers import psnr, tiny_engine
+from .test_engine_helpers import keep_cot_in_tokenizer, psnr, tiny_engine
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -386,6 +386,23 @@ def test_fused_path_plumbing_on_cpu(monkeypatch, tiny_fp8, combine):
     assert _rel(y, fp8_linear_reference(x, lin.weight, lin.weight_scale)) < 2e-3
 
 
+def _fused_stand_ins(monkeypatch, hook) -> None:
+    """The fused FP8 paths taken on the CPU, with the reference products standing in for the
+    CUDA-only kernels: `hook(kind, rows, use_fast_accum, y)` sees each call ("dense": its rows;
+    "experts": its (token, expert) pairs) and returns the result."""
+
+    def dense(x, weight, scale, bias=None, use_fast_accum=False):
+        return hook("dense", x.shape[0], use_fast_accum, fp8_linear_reference(x, weight, scale, bias))
+
+    def routed(x, weights, experts, *w, use_fast_accum=False, combine="compiled"):
+        return hook("experts", experts.numel(), use_fast_accum, fp8_moe_reference(x, weights, experts, *w))
+
+    monkeypatch.setattr(quant, "dense_fused_supported", lambda *a: True)
+    monkeypatch.setattr(quant, "grouped_fused_supported", lambda *a: True)
+    monkeypatch.setattr(quant, "fp8_linear_fused", dense)
+    monkeypatch.setattr(quant, "fp8_moe_fused", routed)
+
+
 def test_fast_accumulation_only_for_compute_bound_gemms_and_never_batch_invariant(monkeypatch, tiny_fp8):
     """`fp8_accum=auto`: the fused FP8 GEMMs accumulate fast from FAST_ACCUM_MIN_ROWS rows (the
     DiT's steps, prompt chunks), exactly below (AR decode) and always under batch_invariant=on; the
@@ -394,18 +411,11 @@ def test_fast_accumulation_only_for_compute_bound_gemms_and_never_batch_invarian
 
     seen: list[tuple[str, int, bool]] = []
 
-    def dense(x, weight, scale, bias=None, use_fast_accum=False):
-        seen.append(("dense", x.shape[0], use_fast_accum))
-        return fp8_linear_reference(x, weight, scale, bias)
+    def record(kind: str, rows: int, fast: bool, y: torch.Tensor) -> torch.Tensor:
+        seen.append((kind, rows, fast))
+        return y
 
-    def routed(x, weights, experts, *w, use_fast_accum=False, combine="compiled"):
-        seen.append(("experts", experts.numel(), use_fast_accum))
-        return fp8_moe_reference(x, weights, experts, *w)
-
-    monkeypatch.setattr(quant, "dense_fused_supported", lambda *a: True)
-    monkeypatch.setattr(quant, "grouped_fused_supported", lambda *a: True)
-    monkeypatch.setattr(quant, "fp8_linear_fused", dense)
-    monkeypatch.setattr(quant, "fp8_moe_fused", routed)
+    _fused_stand_ins(monkeypatch, record)
     lin = Fp8Linear.from_linear(nn.Linear(32, 16))
     moe: MoE = tiny_fp8.model.layers[0].mlp
     top_k = moe.route(torch.randn(1, moe.experts.hidden))[1].shape[1]
@@ -477,29 +487,16 @@ def test_batch_invariant_rows_stay_independent_of_their_batch_under_fast_accumul
 
     modes: set[bool] = set()
 
-    def fast_bits(y: torch.Tensor, fast: bool) -> torch.Tensor:
+    def fast_bits(kind: str, rows: int, fast: bool, y: torch.Tensor) -> torch.Tensor:
         modes.add(fast)
         return y * (1 + 2 ** -7) if fast else y
 
-    def dense(x, weight, scale, bias=None, use_fast_accum=False):
-        return fast_bits(fp8_linear_reference(x, weight, scale, bias), use_fast_accum)
-
-    def routed(x, weights, experts, *w, use_fast_accum=False, combine="compiled"):
-        return fast_bits(fp8_moe_reference(x, weights, experts, *w), use_fast_accum)
-
-    monkeypatch.setattr(quant, "dense_fused_supported", lambda *a: True)
-    monkeypatch.setattr(quant, "grouped_fused_supported", lambda *a: True)
-    monkeypatch.setattr(quant, "fp8_linear_fused", dense)
-    monkeypatch.setattr(quant, "fp8_moe_fused", routed)
+    _fused_stand_ins(monkeypatch, fast_bits)
     monkeypatch.setattr(kernels, "FAST_ACCUM_MIN_ROWS", 3)
     monkeypatch.setattr(ar_module, "PREFILL_DECODED_KV", False)  # export the decode steps' own K/V
     engine = Engine.load("tiny", seed=0, quantization="fp8")
     assert engine.model.config.moe_topk[0] == 2
-    # the CoT kept in the tokenizer, so that the decoded tokens' K/V are in the exported K/V
-    # (test_batch_invariant.py: ids past the tokenizer leave the re-encoded CoT)
-    logits, known = engine.model.text_logits, engine.tokenizer.vocab_size
-    monkeypatch.setattr(engine.model, "text_logits", lambda h: logits(h).index_fill(
-        -1, torch.arange(known, engine.model.config.vocab_size, device=h.device), float("-inf")))
+    keep_cot_in_tokenizer(engine, monkeypatch)  # the decoded tokens' K/V are in the exported K/V
     sampling = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=12)
     target = ARRequest("target", "a red fox in the snow, photographed at dawn", [], bot_task="think_recaption",
                        seed=5)

@@ -20,6 +20,17 @@ def tiny_engine():
     return Engine.load("tiny", seed=0)
 
 
+def keep_cot_in_tokenizer(engine, monkeypatch) -> None:
+    """Sample the CoT from the tokenizer's ids only. Ids past the tokenizer's length are sampled
+    (as officially) but vanish from the re-encoded CoT, and with them the decoded tokens' K/V from
+    the exported (reused) prefix; tests that compare those K/V keep them in."""
+    import torch
+
+    logits, known = engine.model.text_logits, engine.tokenizer.vocab_size
+    monkeypatch.setattr(engine.model, "text_logits", lambda h: logits(h).index_fill(
+        -1, torch.arange(known, engine.model.config.vocab_size, device=h.device), float("-inf")))
+
+
 def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
     """A deterministic RGB noise image with some low-frequency structure."""
     rng = np.random.default_rng(seed)

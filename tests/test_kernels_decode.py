@@ -15,7 +15,7 @@ from components.engine.kernels import decode
 from components.engine.kernels.decode import DecodeMask, DeviceSampler, StaticDecoder, batch_bucket, decode_mode
 from components.engine.transformer import KVCache, attention_mask
 
-from .test_engine_helpers import random_image, tiny_engine
+from .test_engine_helpers import keep_cot_in_tokenizer, random_image, tiny_engine
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=12)
@@ -320,11 +320,7 @@ def test_decoded_tokens_kv_is_written_again_by_a_prefill(prefilled, monkeypatch)
     previous = kernels.configure(decode_graphs="on", attention="flex")
     try:
         engine = Engine.load("tiny", dtype="bfloat16")
-        # ids past the tokenizer's length are sampled (as officially) but vanish from the re-encoded
-        # CoT: keep this row's CoT in the tokenizer so decoded tokens stay in the reused prefix
-        logits, known = engine.model.text_logits, engine.tokenizer.vocab_size
-        monkeypatch.setattr(engine.model, "text_logits", lambda h: logits(h).index_fill(
-            -1, torch.arange(known, engine.model.config.vocab_size, device=h.device), float("-inf")))
+        keep_cot_in_tokenizer(engine, monkeypatch)  # so decoded tokens stay in the reused prefix
         # a row whose re-encoded CoT keeps decoded tokens in the reused prefix (not every row does)
         image = Image.fromarray((np.random.RandomState(0).rand(192, 256, 3) * 255).astype("uint8"))
         out = engine.generate_ar([ARRequest("e", "make the sky purple", [image], bot_task="think_recaption")],
